@@ -1,0 +1,27 @@
+# `make demo` and `make test` work on a fresh machine: each creates .venv when missing.
+PY := .venv/bin/python
+VENV_STAMP := .venv/.installed
+
+.PHONY: demo test test-all lint venv
+
+$(VENV_STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(VENV_STAMP)
+
+venv: $(VENV_STAMP)
+
+demo: $(VENV_STAMP)
+	.venv/bin/clover generate --model models/clover-tiny --max-new-tokens 200 \
+		"Extract the drone no-fly zones from these messages as JSON."
+
+test: $(VENV_STAMP)
+	$(PY) -m pytest
+
+test-all: $(VENV_STAMP)
+	$(PY) -m pytest -m "slow or not slow"
+
+lint: $(VENV_STAMP)
+	.venv/bin/ruff check src tests
