@@ -1,0 +1,174 @@
+"""The gated delta rule: token-by-token reference and the chunked (WY / UT-transform) form.
+
+Shapes: q, k [B, T, H, Dk] (already L2-normalised), v [B, T, H, Dv], log_decay and beta [B, T, H],
+state [B, H, Dk, Dv]. Per token, in order:
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,   a_t = exp(log_decay_t)
+    o_t = S_t^T q_t / sqrt(Dk)
+
+The chunked form groups whole blocks into chunks of at most `chunk_size` tokens. Inside a chunk the
+delta-rule corrections are one unit-lower-triangular solve, so the cost is a Python loop over chunks,
+not tokens. It also returns, for an optional second set of queries (the noisy stream of block
+diffusion), the read-out of the state *before* each query's block: S_{start(b)-1}^T q / sqrt(Dk).
+Everything runs in fp32 whatever the input dtype: the decays compound over thousands of tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def recurrent_gated_delta_rule(q, k, v, log_decay, beta, initial_state=None):
+    """Reference: one token at a time. Returns (o [B,T,H,Dv], final_state [B,H,Dk,Dv])."""
+    out_dtype = v.dtype
+    q, k, v, log_decay, beta = (x.float() for x in (q, k, v, log_decay, beta))
+    batch, length, heads, dk = k.shape
+    state = (
+        torch.zeros(batch, heads, dk, v.shape[-1], device=v.device)
+        if initial_state is None
+        else initial_state.float()
+    )
+    scale = dk**-0.5
+    outputs = []
+    for t in range(length):
+        state = state * log_decay[:, t].exp()[..., None, None]
+        predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        delta = beta[:, t, :, None] * (v[:, t] - predicted)
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]) * scale)
+    return torch.stack(outputs, dim=1).to(out_dtype), state
+
+
+def chunk_layout(block_sizes: list[int], chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack consecutive whole blocks into chunks of at most `chunk_size` tokens.
+
+    Returns (index [N, C]: token position per slot, -1 for padding; block_of_slot [N, C]: the
+    block number of each slot, padding slots numbered past every real block).
+    """
+    if any(s < 1 or s > chunk_size for s in block_sizes):
+        raise ValueError(f"block sizes must be in 1..{chunk_size}, got {sorted(set(block_sizes))}")
+    chunks: list[list[tuple[int, int]]] = [[]]
+    filled = 0
+    position = 0
+    for block, size in enumerate(block_sizes):
+        if filled + size > chunk_size:
+            chunks.append([])
+            filled = 0
+        chunks[-1].extend((position + i, block) for i in range(size))
+        filled += size
+        position += size
+    pad_block = len(block_sizes)
+    index = torch.full((len(chunks), chunk_size), -1, dtype=torch.long)
+    block_of_slot = torch.full((len(chunks), chunk_size), pad_block, dtype=torch.long)
+    for c, slots in enumerate(chunks):
+        index[c, : len(slots)] = torch.tensor([p for p, _ in slots])
+        block_of_slot[c, : len(slots)] = torch.tensor([b for _, b in slots])
+    return index, block_of_slot
+
+
+def chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    log_decay,
+    beta,
+    *,
+    block_sizes: list[int] | None = None,
+    chunk_size: int = 64,
+    initial_state=None,
+    q_noisy=None,
+):
+    """Chunked gated delta rule over a sequence cut into blocks.
+
+    block_sizes: the partition of the T tokens (default: blocks of `chunk_size`, the last shorter).
+    Returns (o, final_state, o_noisy, chunk_states) where o is the ordinary causal output,
+    o_noisy (None unless q_noisy is given) reads the state before each token's block, and
+    chunk_states [B, N+1, H, Dk, Dv] holds the state at every chunk boundary.
+    """
+    out_dtype = v.dtype
+    batch, length, heads, dk = k.shape
+    dv = v.shape[-1]
+    if block_sizes is None:
+        block_sizes = [chunk_size] * (length // chunk_size) + ([length % chunk_size] if length % chunk_size else [])
+    if sum(block_sizes) != length:
+        raise ValueError(f"block sizes sum to {sum(block_sizes)}, but the sequence has {length} tokens")
+    index, block_of_slot = chunk_layout(block_sizes, chunk_size)
+    index, block_of_slot = index.to(k.device), block_of_slot.to(k.device)
+    n_chunks, size = index.shape
+
+    def to_chunks(x):
+        # [B, T, H, ...] -> [B, H, N, C, ...] with zero rows in padding slots: a zero key, beta and
+        # log-decay leave the state untouched, so padding is invisible.
+        x = x.float()
+        x = torch.cat([x, x.new_zeros(x[:, :1].shape)], dim=1)
+        x = x[:, torch.where(index >= 0, index, length)]
+        return x.movedim(3, 1)
+
+    qc, kc, vc = to_chunks(q), to_chunks(k), to_chunks(v)
+    gc = to_chunks(log_decay).cumsum(-1)  # [B, H, N, C] log of the decay product up to each slot
+    bc = to_chunks(beta)
+    scale = dk**-0.5
+
+    causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+    strict = causal.tril(-1)
+    # exp(g_i - g_j) for j <= i; masked before exp so that large decays cannot overflow.
+    decay_diff = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+    # Delta-rule corrections inside a chunk: (I + L) u = beta v, (I + L) w = beta k exp(g).
+    kk = kc @ kc.transpose(-1, -2)
+    lower = (bc[..., None] * kk * decay_diff).masked_fill(~strict, 0.0)
+    eye = torch.eye(size, device=k.device)
+    system = eye + lower
+    u = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, bc[..., None] * kc * gc.exp()[..., None], upper=False, unitriangular=True
+    )
+    qk = (qc @ kc.transpose(-1, -2)) * decay_diff
+
+    if q_noisy is not None:
+        qn = to_chunks(q_noisy)
+        # A noisy query reads the state at its block's start: sources are slots of earlier blocks
+        # in the chunk, decayed up to that start.
+        earlier = block_of_slot[:, None, :] < block_of_slot[:, :, None]  # [N, C(query), C(source)]
+        first_slot = (block_of_slot[:, :, None] == block_of_slot[:, None, :]).float().argmax(-1)  # [N, C]
+        g_exclusive = gc - to_chunks(log_decay)
+        g_start = torch.gather(g_exclusive, -1, first_slot.expand_as(g_exclusive))
+        noisy_decay = (g_start[..., :, None] - gc[..., None, :]).masked_fill(~earlier, float("-inf")).exp()
+        qk_noisy = (qn @ kc.transpose(-1, -2)) * noisy_decay
+
+    state = (
+        torch.zeros(batch, heads, dk, dv, device=v.device) if initial_state is None else initial_state.float()
+    )
+    outputs, noisy_outputs, states = [], [], [state]
+    for c in range(n_chunks):
+        new_values = u[:, :, c] - w[:, :, c] @ state  # delta_i = u_i - w_i S0
+        g = gc[:, :, c]
+        outputs.append((qc[:, :, c] * g.exp()[..., None]) @ state + qk[:, :, c] @ new_values)
+        if q_noisy is not None:
+            noisy_outputs.append(
+                (qn[:, :, c] * g_start[:, :, c].exp()[..., None]) @ state + qk_noisy[:, :, c] @ new_values
+            )
+        g_last = g[..., -1:]
+        state = state * g_last.exp()[..., None] + (kc[:, :, c] * (g_last - g).exp()[..., None]).transpose(
+            -1, -2
+        ) @ new_values
+        states.append(state)
+
+    def from_chunks(chunked):
+        # [B, H, N, C, Dv] -> [B, T, H, Dv], dropping padding slots.
+        flat = torch.stack(chunked, dim=2).reshape(batch, heads, n_chunks * size, dv)
+        valid = (index >= 0).reshape(-1)
+        order = index.reshape(-1)[valid]
+        out = flat.new_empty(batch, heads, length, dv)
+        out[:, :, order] = flat[:, :, valid]
+        return (out * scale).transpose(1, 2).to(out_dtype)
+
+    o = from_chunks(outputs)
+    o_noisy = from_chunks(noisy_outputs) if q_noisy is not None else None
+    return o, state, o_noisy, torch.stack(states, dim=1)
+
+
+def gated_delta_readout(q, state):
+    """Read memory without writing it: S^T q / sqrt(Dk) for every token of a block being denoised."""
+    dk = q.shape[-1]
+    return (torch.einsum("bhkv,bthk->bthv", state.float(), q.float()) * dk**-0.5).to(q.dtype)

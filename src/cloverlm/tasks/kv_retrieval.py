@@ -1,0 +1,71 @@
+"""Long-context key-value recall: find the values of 1-3 random keys among `n_pairs` lines."""
+
+import random
+
+from cloverlm.tasks.base import Example, dumps, mean, parse_json, same, spans_of
+
+_WORDS = (
+    "amber",
+    "basil",
+    "cobalt",
+    "delta",
+    "ember",
+    "fjord",
+    "garnet",
+    "harbor",
+    "indigo",
+    "juniper",
+    "kelp",
+    "lantern",
+    "maple",
+    "nectar",
+    "onyx",
+    "pepper",
+    "quartz",
+    "raven",
+    "saffron",
+    "tundra",
+    "umber",
+    "velvet",
+    "willow",
+    "yarrow",
+    "zephyr",
+    "bramble",
+    "cinder",
+    "dune",
+    "echo",
+    "flint",
+)
+
+
+class KVRetrieval:
+    name = "kv_retrieval"
+
+    def generate(self, seed: int, n_pairs: int = 60, n_queries: int | None = None) -> Example:
+        rng = random.Random(seed)
+        keys = [f"k-{n:06x}" for n in rng.sample(range(16**6), n_pairs)]
+        values = [
+            rng.choice(_WORDS) if rng.random() < 0.5 else str(rng.randint(100000, 999999)) for _ in keys
+        ]
+        queried = rng.sample(range(n_pairs), n_queries or rng.randint(1, min(3, n_pairs)))
+        truth = {keys[i]: values[i] for i in queried}
+        lines = [f"{k}: {v}" for k, v in zip(keys, values)]
+        question = f"Give the values of these keys as a JSON object: {', '.join(truth)}."
+        answer = dumps(truth)
+        return Example(
+            task=self.name,
+            seed=seed,
+            prompt="\n".join([*lines, question]),
+            answer=answer,
+            truth=truth,
+            value_spans=spans_of(answer, [text for pair in truth.items() for text in pair]),
+        )
+
+    def check(self, example: Example, output: str) -> dict[str, float]:
+        pred = parse_json(output, "{")
+        found = pred if isinstance(pred, dict) else {}
+        return {
+            "parsed": float(pred is not None),
+            "value": mean(same(found.get(k), v) for k, v in example.truth.items()),
+            "exact": float(same(pred, example.truth)),
+        }

@@ -1,0 +1,154 @@
+"""Drone no-fly zones hidden among air-traffic messages.
+
+The prompt holds numbered NOTAM-like and free-text notices; the answer lists the active drone (UAS) zones
+as JSON. Every answer value is copied verbatim from its message, so the task is reading and extraction,
+not unit or number-format conversion. Distractors reuse the same vocabulary (ids, coordinates, radii,
+altitudes, even lifted or cancelled drone restrictions) so that matching on shape alone is not enough.
+"""
+
+import random
+from typing import Any
+
+from cloverlm.tasks.base import Example, dumps, mean, parse_json, same, spans_of
+
+FIELDS = ("id", "lat", "lon", "radius", "unit", "lower", "upper", "start", "end")
+_NUMERIC = ("lat", "lon", "radius")
+
+# (FIR, aerodrome) pairs keep NOTAM headers plausible.
+_PLACES = (
+    ("LSAS", "LSZH"),
+    ("EDGG", "EDDF"),
+    ("LFFF", "LFPG"),
+    ("EGTT", "EGLL"),
+    ("LIMM", "LIMC"),
+    ("LOVV", "LOWW"),
+    ("EHAA", "EHAM"),
+    ("EBBU", "EBBR"),
+    ("LECM", "LEMD"),
+    ("EPWW", "EPWA"),
+)
+_LOWER = ("SFC", "SFC", "100FT", "200FT")
+_UPPER = ("400FT", "500FT", "1000FT", "1200FT", "2000FT", "3000FT")
+
+_ZONE_TEMPLATES = (
+    "{id} NOTAMN Q) {fir}/QRTCA A) {ad} B) {start} C) {end} E) UAS PROHIBITED WI {radius}{unit} OF "
+    "{lat}N {lon}E F) {lower} G) {upper}",
+    "{id} NOTAMN Q) {fir}/QRTCA A) {ad} B) {start} C) {end} E) NO DRONE FLT {radius}{unit} RADIUS "
+    "{lat}N {lon}E F) {lower} G) {upper}",
+    "Notice {id}: drones are not allowed within {radius} {unit} of {lat}N {lon}E, from {lower} to {upper}, "
+    "{start} to {end}.",
+    "{id}: no UAS flights in a radius of {radius} {unit} around {lat}N {lon}E between {lower} and {upper}, "
+    "valid {start} until {end}.",
+    "Drone ban {id} - {radius}{unit} around {lat}N {lon}E, {lower} to {upper}, from {start} to {end}.",
+)
+_DISTRACTOR_TEMPLATES = (
+    "{id} NOTAMN Q) {fir}/QMRLC A) {ad} B) {start} C) {end} E) RWY {rwy} CLSD DUE WIP",
+    "{id} NOTAMN Q) {fir}/QOBCE A) {ad} B) {start} C) {end} E) CRANE ERECTED AT {lat}N {lon}E "
+    "HGT {upper} AGL, LGTD",
+    "{id} NOTAMN Q) {fir}/QCAXX A) {ad} B) {start} C) {end} E) TWR FREQ {freq} WITHDRAWN, USE {freq2}",
+    "{id} NOTAMN Q) {fir}/QWPLW A) {ad} B) {start} C) {end} E) PJE WI {radius}{unit} OF {lat}N {lon}E "
+    "F) {lower} G) {upper}",
+    "{id} NOTAMC {old} Q) {fir}/QRTXX A) {ad} B) {start} E) UAS RESTRICTION WI {radius}{unit} OF "
+    "{lat}N {lon}E CANCELLED",
+    "{id} NOTAMN Q) {fir}/QICAS A) {ad} B) {start} C) {end} E) ILS RWY {rwy_end} U/S",
+    "Notice {id}: increased bird activity near {lat}N {lon}E from {lower} to {upper}, {start} to {end}.",
+    "Notice {id}: taxiway {twy} closed for works, {start} to {end}.",
+    "Notice {id}: the drone restriction within {radius} {unit} of {lat}N {lon}E has been lifted as of "
+    "{start}.",
+    "{id}: glider activity within {radius} {unit} of {lat}N {lon}E, {lower} to {upper}, {start} until {end}.",
+)
+INSTRUCTION = (
+    "List the active drone no-fly zones in the messages above as a JSON list, in message order, "
+    "each with keys id, lat, lon, radius, unit, lower, upper, start, end."
+)
+
+
+def _decimal(rng: random.Random, lo: int, hi: int, places: int) -> str:
+    """A decimal in [lo, hi) whose last digit is nonzero, so that the JSON number in the answer prints
+    exactly as in the message (8.5410 would come back as 8.541)."""
+    frac = rng.randrange(10 ** (places - 1)) * 10 + rng.randint(1, 9)
+    return f"{rng.randrange(lo, hi)}.{frac:0{places}d}"
+
+
+def _time(day: str, hour: int, rng: random.Random) -> str:
+    return f"{day}T{hour:02d}:{rng.choice(('00', '30'))}Z"
+
+
+def _fields(rng: random.Random, msg_id: str, old_id: str) -> dict[str, str]:
+    """Every value any template may use; a zone message uses a subset and the answer copies from it."""
+    day = f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+    start = rng.randint(0, 16)
+    fir, ad = rng.choice(_PLACES)
+    rwy = rng.randint(1, 18)
+    return {
+        "id": msg_id,
+        "old": old_id,
+        "fir": fir,
+        "ad": ad,
+        "lat": _decimal(rng, 36, 70, 4),
+        "lon": _decimal(rng, 1, 30, 4),
+        "radius": _decimal(rng, 0, 10, 1),
+        "unit": rng.choice(("NM", "KM")),
+        "lower": rng.choice(_LOWER),
+        "upper": rng.choice(_UPPER),
+        "start": _time(day, start, rng),
+        "end": _time(day, rng.randint(start + 2, 23), rng),
+        "rwy": f"{rwy:02d}/{rwy + 18:02d}",
+        "rwy_end": f"{rwy:02d}",
+        "freq": f"1{rng.randint(18, 35)}.{rng.randrange(0, 1000, 5):03d}",
+        "freq2": f"1{rng.randint(18, 35)}.{rng.randrange(0, 1000, 5):03d}",
+        "twy": rng.choice("ABCDEFGHKLMN"),
+    }
+
+
+def _zone(fields: dict[str, str]) -> dict[str, Any]:
+    return {k: float(fields[k]) if k in _NUMERIC else fields[k] for k in FIELDS}
+
+
+class NoFlyZones:
+    name = "no_fly_zones"
+
+    def generate(self, seed: int, n_messages: int = 20) -> Example:
+        rng = random.Random(seed)
+        # One spare id is the target of NOTAMC cancellations: it never names a message in the prompt.
+        ids = [f"{rng.choice('ABCDJMW')}{n}/26" for n in rng.sample(range(1000, 10000), n_messages + 1)]
+        zone_slots = set(rng.sample(range(n_messages), rng.randint(1, min(5, n_messages))))
+        lines, zones, copied = [], [], []
+        for i in range(n_messages):
+            fields = _fields(rng, ids[i], ids[-1])
+            if i in zone_slots:
+                template = rng.choice(_ZONE_TEMPLATES)
+                zones.append(_zone(fields))
+                copied += [fields[k] for k in FIELDS]
+            else:
+                template = rng.choice(_DISTRACTOR_TEMPLATES)
+            lines.append(f"{i + 1}. {template.format_map(fields)}")
+        answer = dumps(zones)
+        return Example(
+            task=self.name,
+            seed=seed,
+            prompt="\n".join([*lines, INSTRUCTION]),
+            answer=answer,
+            truth=zones,
+            value_spans=spans_of(answer, copied),
+        )
+
+    def check(self, example: Example, output: str) -> dict[str, float]:
+        truth = example.truth
+        parsed = parse_json(output, "[")
+        pred = parse_zones(output)
+        matched = [next((p for p in pred if same(p.get("id"), t["id"])), {}) for t in truth]
+        scores = {"parsed": float(parsed is not None)}
+        scores |= {f"field/{f}": mean(same(m.get(f), t[f]) for m, t in zip(matched, truth)) for f in FIELDS}
+        scores["zone_exact_match"] = sum(same(m, t) for m, t in zip(matched, truth)) / max(
+            len(truth), len(pred), 1
+        )
+        scores["count"] = float(len(pred) == len(truth))
+        scores["exact"] = float(same(parsed, truth))
+        return scores
+
+
+def parse_zones(text: str) -> list[dict]:
+    """The zone objects of the first JSON list in `text`; [] if there is none."""
+    parsed = parse_json(text, "[")
+    return [z for z in parsed if isinstance(z, dict)] if isinstance(parsed, list) else []

@@ -1,0 +1,110 @@
+"""Byte-level BPE tokenizer and ChatML chat template.
+
+Byte-level BPE over the full 256-byte alphabet, so ``decode(encode(text)) == text`` for every
+string; digits are split one per token so the model copies numbers digit by digit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+MASK_TOKEN = "[MASK]"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+TOOLS_START = "<tools>"
+TOOLS_END = "</tools>"
+
+# Fixed order: the id of each token is its index here.
+SPECIAL_TOKENS = (
+    EOS_TOKEN,
+    PAD_TOKEN,
+    MASK_TOKEN,
+    IM_START,
+    IM_END,
+    TOOL_CALL_START,
+    TOOL_CALL_END,
+    TOOLS_START,
+    TOOLS_END,
+)
+
+MODEL_MAX_LENGTH = 1 << 30
+
+
+def chat_template() -> str:
+    """The package's ChatML chat template (``chat_template.jinja``)."""
+    return resources.files("cloverlm").joinpath("chat_template.jinja").read_text(encoding="utf-8")
+
+
+def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        mask_token=MASK_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=MODEL_MAX_LENGTH,
+        chat_template=chat_template(),
+    )
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts``; the special tokens take ids 0..8."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return _wrap(tok)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load a tokenizer saved with ``save_pretrained`` from the folder ``path``."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"no tokenizer in {path}: expected tokenizer.json")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    if not tok.chat_template:
+        tok.chat_template = chat_template()
+    return tok
+
+
+def format_chat(
+    tokenizer: PreTrainedTokenizerFast,
+    prompt: str,
+    answer: str | None = None,
+    tools: Sequence[dict[str, Any]] = (),
+) -> tuple[str, str]:
+    """Render a one-turn conversation as ``(prompt_text, answer_text)``.
+
+    ``prompt_text`` ends with the generation prompt ``<|im_start|>assistant\\n``;
+    ``answer_text`` is ``answer + "<|im_end|>"`` (empty if ``answer`` is None). Training data
+    concatenates the two and computes the loss on the answer part only.
+    """
+    prompt_text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        tools=list(tools) or None,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    answer_text = "" if answer is None else answer + IM_END
+    return prompt_text, answer_text
