@@ -14,8 +14,7 @@ $(VENV_STAMP): pyproject.toml
 venv: $(VENV_STAMP)
 
 demo: $(VENV_STAMP)
-	.venv/bin/clover generate --model models/clover-tiny --max-new-tokens 200 \
-		"Extract the drone no-fly zones from these messages as JSON."
+	.venv/bin/clover generate --model models/clover-tiny --task no_fly_zones --block-size 1 --max-new-tokens 400
 
 test: $(VENV_STAMP)
 	$(PY) -m pytest

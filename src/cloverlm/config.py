@@ -88,6 +88,9 @@ class CloverConfig(PretrainedConfig):
         self.router_bias_update_rate = router_bias_update_rate
         self.max_block_size = max_block_size
         self.mask_token_id = mask_token_id
+        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
+        # Ours first: transformers' own layer_types check would raise a multi-line validation error.
+        self.validate_sizes()
         super().__init__(
             pad_token_id=pad_token_id,
             eos_token_id=eos_token_id,
@@ -95,7 +98,6 @@ class CloverConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-        self.validate_sizes()
 
     def validate_sizes(self) -> None:
         """Raise CloverError with one line naming the inconsistent fields."""
@@ -160,7 +162,7 @@ PRESETS: dict[str, dict] = {
         linear_value_head_dim=64,
         num_experts=64,
         num_experts_per_tok=4,
-        moe_intermediate_size=256,
+        moe_intermediate_size=240,
         shared_expert_intermediate_size=512,
     ),
     "clover-35b-a3b": dict(

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 
-from .config import ATTENTION, MEMORY, CloverConfig
+from .config import MEMORY, CloverConfig
 from .errors import CloverError
 from .ops.gated_delta import chunk_gated_delta_rule, chunk_layout, gated_delta_readout
 from .ops.moe import dispatch_experts
@@ -300,22 +300,29 @@ class CloverMemoryMixer(nn.Module):
 
     # -- training: both streams, all blocks --
 
-    def forward_streams(self, x_noisy, x_clean, layout: BlockLayout, positions):
-        proj_noisy, proj_clean = self.in_proj_qkv(x_noisy), self.in_proj_qkv(x_clean)
-        conv_noisy = self._block_conv(proj_noisy, proj_clean, layout)
-        conv_clean = self._block_conv(proj_clean, proj_clean, layout)
-        qn, kn, vn = self._split_heads(conv_noisy)
-        qc, kc, vc = self._split_heads(conv_clean)
+    def forward_streams(self, x_noisy, x_clean, layout: BlockLayout, positions, cache: LayerCache | None = None):
+        """Both streams over all blocks. x_noisy=None runs the clean stream only (prefill); a given
+        (empty) cache receives the history the clean stream writes."""
+        proj_clean = self.in_proj_qkv(x_clean)
+        qc, kc, vc = self._split_heads(self._block_conv(proj_clean, proj_clean, layout))
+        qn = None
+        if x_noisy is not None:
+            qn, kn, vn = self._split_heads(self._block_conv(self.in_proj_qkv(x_noisy), proj_clean, layout))
         log_decay, beta = self._gates(x_clean)
-        mem_clean, _, mem_noisy, _ = chunk_gated_delta_rule(
+        mem_clean, final_state, mem_noisy, _ = chunk_gated_delta_rule(
             qc, kc, vc, log_decay, beta, block_sizes=layout.block_sizes, chunk_size=layout.chunk_size, q_noisy=qn
         )
+        if cache is not None:
+            cache.state = final_state
+            cache.conv_tail = F.pad(proj_clean, (0, 0, self.radius, 0))[:, proj_clean.shape[1] :]
         temperature = self._temperature()
-        qn_r, kn_r = self._rope(qn, kn, positions)
         qc_r, kc_r = self._rope(qc, kc, positions)
-        attn_noisy = block_attention(qn_r, kn_r, vn, layout, temperature)
-        attn_clean = block_attention(qc_r, kc_r, vc, layout, temperature)
-        return self._fuse(x_noisy, mem_noisy, attn_noisy), self._fuse(x_clean, mem_clean, attn_clean)
+        out_clean = self._fuse(x_clean, mem_clean, block_attention(qc_r, kc_r, vc, layout, temperature))
+        if x_noisy is None:
+            return None, out_clean
+        qn_r, kn_r = self._rope(qn, kn, positions)
+        out_noisy = self._fuse(x_noisy, mem_noisy, block_attention(qn_r, kn_r, vn, layout, temperature))
+        return out_noisy, out_clean
 
     def _block_conv(self, stream, clean, layout: BlockLayout):
         """The centred depthwise conv (then SiLU) of every block at once, [B, L, C] -> [B, L, C].
@@ -408,13 +415,23 @@ class CloverAttention(nn.Module):
     def _attend(self, q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
 
-    def forward_streams(self, x_noisy, x_clean, layout: BlockLayout, positions):
-        """BD3-LM's mask over [x_t ; x_0]: noisy block b sees clean blocks < b and itself, clean b sees clean <= b."""
-        length = x_noisy.shape[1]
-        q, k, v, gate = self._project(torch.cat([x_noisy, x_clean], dim=1), torch.cat([positions, positions]))
+    def forward_streams(self, x_noisy, x_clean, layout: BlockLayout, positions, cache: LayerCache | None = None):
+        """BD3-LM's mask over [x_t ; x_0]: noisy block b sees clean blocks < b and itself, clean b sees clean <= b.
+
+        x_noisy=None runs the clean stream only (prefill); a given (empty) cache receives its keys and values.
+        """
         block = layout.block_id
         same = block[:, None] == block[None, :]
         earlier = block[None, :] < block[:, None]
+        if x_noisy is None:
+            q, k, v, gate = self._project(x_clean, positions)
+            if cache is not None:
+                cache.keys, cache.values = k, v
+            return None, self._output(self._attend(q, k, v, same | earlier), gate)
+        length = x_noisy.shape[1]
+        q, k, v, gate = self._project(torch.cat([x_noisy, x_clean], dim=1), torch.cat([positions, positions]))
+        if cache is not None:
+            cache.keys, cache.values = k[:, :, length:], v[:, :, length:]
         top = torch.cat([same, earlier], dim=1)  # noisy queries
         bottom = torch.cat([torch.zeros_like(same), same | earlier], dim=1)  # clean queries
         out = self._output(self._attend(q, k, v, torch.cat([top, bottom], dim=0)), gate)
@@ -451,10 +468,14 @@ class CloverDecoderLayer(nn.Module):
         out, aux = self.mlp(self.post_attention_layernorm(h))
         return h + out, aux
 
-    def forward_streams(self, h_noisy, h_clean, layout, positions):
+    def forward_streams(self, h_noisy, h_clean, layout, positions, cache: LayerCache | None = None):
+        norm = self.input_layernorm
         mix_noisy, mix_clean = self.mixer.forward_streams(
-            self.input_layernorm(h_noisy), self.input_layernorm(h_clean), layout, positions
+            None if h_noisy is None else norm(h_noisy), norm(h_clean), layout, positions, cache
         )
+        if h_noisy is None:
+            h, aux = self._feed_forward(h_clean + mix_clean)
+            return None, h, aux
         length = h_noisy.shape[1]
         # One MoE call over both streams: routing is per token, so this equals two calls.
         h, aux = self._feed_forward(torch.cat([h_noisy + mix_noisy, h_clean + mix_clean], dim=1))
@@ -563,6 +584,20 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         if logits_mask is not None:
             hidden = hidden[logits_mask]
         return CloverOutput(logits=self.lm_head(hidden), hidden_states=hidden, aux_loss=aux_total)
+
+    def prefill(self, input_ids, block_sizes: list[int], cache: CloverCache) -> None:
+        """Commit a whole prompt as clean blocks in one parallel pass (same result as block-by-block commits)."""
+        self._check_ids(input_ids)
+        if cache.length:
+            raise CloverError("prefill needs an empty cache; commit further blocks with forward_block")
+        length = input_ids.shape[1]
+        validate_block_sizes(block_sizes, length, self.config.max_block_size)
+        layout = BlockLayout.build(block_sizes, self.config.max_block_size, input_ids.device)
+        positions = torch.arange(length, device=input_ids.device)
+        h = self.model.embed_tokens(input_ids)
+        for layer, layer_cache in zip(self.model.layers, cache.layers):
+            _, h, _ = layer.forward_streams(None, h, layout, positions, layer_cache)
+        cache.length = length
 
     def forward_block(self, input_ids, cache: CloverCache, commit: bool) -> torch.Tensor:
         """Run one block [B, n] against the cache; returns logits [B, n, V]. commit=True folds it in."""

@@ -1,0 +1,383 @@
+"""Block-diffusion training: the recipe, the loop, evaluation, checkpoints and exact resume.
+
+Run: `clover train --preset clover-tiny --recipe default --minutes 60 --out runs/tiny`.
+Every batch and every mask is a pure function of (seed, step), and checkpoints hold the weights,
+optimizer and schedule state, so `--resume` replays exactly the steps an uninterrupted run takes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .checkpoint import (
+    atomic_write_dir,
+    load_model,
+    load_optimizer_file,
+    load_optimizer_state,
+    optimizer_tensors,
+    recover_dir,
+    save_model,
+)
+from .config import preset_config
+from .data import Mixture, build_default_tokenizer, heldout_examples, tokenize_stdlib
+from .diffusion import diffusion_loss, mask_blocks, sample_partition, uniform_partition
+from .errors import CloverError
+from .model import CloverForBlockDiffusion
+from .tokenizer import load_tokenizer
+
+# ----------------------------------------------------------------------------------------------
+# Recipes
+
+
+@dataclass
+class Stage:
+    """One step of the block-size curriculum."""
+
+    block_sizes: list[int]
+    ar_fraction: float  # share of batches trained as pure next-token prediction (B = 1, t = 1)
+    chat_mode: bool  # prompt tokens of task examples never masked nor scored
+
+
+@dataclass
+class Recipe:
+    mixture: dict[str, float]
+    stages: list[Stage]
+    # Leave stage 0 (next-token warm-up) once the copy probe reaches this, or at this fraction of steps.
+    copy_threshold: float = 0.6
+    warmup_max_fraction: float = 0.5
+    task_sizes: dict[str, dict] = field(default_factory=dict)  # kwargs ranges per generator
+
+
+RECIPES = {
+    # Design section 3: next-token warm-up until the model copies, then widen 1 -> 4 -> 16 -> 32,
+    # always keeping some pure B = 1 batches. Task-heavy, answer-only loss on task rows from the start:
+    # on a CPU budget the copy skill is what is scarce, and random digits in prompts are pure noise
+    # to a language-model loss. (A first run with whole-document loss in the warm-up, 20% stdlib and
+    # 4-20 messages per prompt never reached the copy threshold in 758 steps: see models/README.md.)
+    "default": Recipe(
+        mixture={"stdlib": 0.15, "no_fly_zones": 0.5, "kv_retrieval": 0.2, "tool_call": 0.1, "arithmetic": 0.05},
+        stages=[
+            Stage([1], 1.0, chat_mode=True),
+            Stage([1, 4], 0.3, chat_mode=True),
+            Stage([1, 4, 8, 16], 0.25, chat_mode=True),
+            Stage([1, 4, 8, 16, 32], 0.25, chat_mode=True),
+        ],
+        warmup_max_fraction=0.6,
+        # Fewer messages per prompt pack more copy events into each CPU-second.
+        task_sizes={"no_fly_zones": {"n_messages": (2, 20)}, "kv_retrieval": {"n_pairs": (5, 60)}},
+    ),
+}
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "clover-tiny"
+    recipe: str = "default"
+    out: str = "runs/clover-tiny"
+    seed: int = 0
+    seq_len: int = 2368
+    batch_size: int = 2
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    max_steps: int | None = None
+    minutes: float | None = None
+    eval_every: int = 100
+    checkpoint_minutes: float = 5.0
+    checkpoint_every: int | None = None  # in steps; overrides checkpoint_minutes (tests)
+    bf16: bool = True
+    tokenizer: str | None = None
+    overrides: dict = field(default_factory=dict)  # CloverConfig fields
+    probe_examples: int = 8
+
+
+def lr_at(step: int, cfg: TrainConfig, max_steps: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def copy_probe(model, examples, block_size: int) -> float:
+    """Accuracy on masked value tokens of task answers (ids, coordinates, values) with the rest given."""
+    correct = total = 0
+    for ex in examples:
+        if not ex.value_positions:
+            continue
+        ids = torch.tensor([ex.ids])
+        noisy = ids.clone()
+        noisy[0, ex.value_positions] = model.config.mask_token_id
+        length = ids.shape[1]
+        sizes = [block_size] * (length // block_size) + ([length % block_size] if length % block_size else [])
+        mask = noisy == model.config.mask_token_id
+        logits = model(ids, noisy, sizes, logits_mask=mask).logits
+        correct += int((logits.argmax(-1) == ids[mask]).sum())
+        total += int(mask.sum())
+    return correct / max(total, 1)
+
+
+@torch.no_grad()
+def heldout_elbo(model, windows: torch.Tensor, block_size: int, seed: int = 1234) -> float:
+    """Masked-diffusion ELBO per token on held-out stdlib windows (block size 1 = next-token NLL)."""
+    generator = torch.Generator().manual_seed(seed)
+    sizes = uniform_partition(windows.shape[1], block_size)
+    eligible = torch.ones_like(windows, dtype=torch.bool)
+    noised = mask_blocks(
+        windows, eligible, sizes, model.config.mask_token_id, generator, t_fixed=1.0 if block_size == 1 else None
+    )
+    return float(diffusion_loss(model, windows, eligible, noised, sizes)[0])
+
+
+def fitting_examples(tokenizer, task: str, count: int, max_len: int, size_key: str | None, full: int):
+    """Held-out examples at the largest size (halving from `full`) whose prompts fit `max_len` tokens."""
+    size = full
+    while True:
+        try:
+            return heldout_examples(tokenizer, task, count, max_len, **({size_key: size} if size_key else {}))
+        except CloverError:
+            if size_key is None or size <= 1:
+                raise
+            size //= 2
+
+
+class Evaluator:
+    def __init__(self, tokenizer, cfg: TrainConfig, val_tokens: torch.Tensor):
+        rng = random.Random(99)
+        length = min(cfg.seq_len, 512)
+        starts = [rng.randrange(len(val_tokens) - length) for _ in range(4)]
+        self.windows = torch.stack([val_tokens[s : s + length] for s in starts]).long()
+        # Full-size prompts when the context allows, fewer messages / pairs when it does not.
+        self.probe = {
+            task: fitting_examples(tokenizer, task, cfg.probe_examples, cfg.seq_len, key, full)
+            for task, key, full in (("no_fly_zones", "n_messages", 20), ("kv_retrieval", "n_pairs", 60), ("tool_call", None, 0))
+        }
+
+    def __call__(self, model, autocast) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        with autocast():
+            metrics = {
+                "elbo_b1": heldout_elbo(model, self.windows, 1),
+                "elbo_b16": heldout_elbo(model, self.windows, 16),
+            }
+            for task, examples in self.probe.items():
+                for block in (1, 16):
+                    metrics[f"copy_{task}_b{block}"] = copy_probe(model, examples, block)
+        metrics["copy"] = sum(metrics[f"copy_{t}_b1"] for t in self.probe) / len(self.probe)
+        model.train(was_training)
+        return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume: bool = False):
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.recipe = RECIPES.get(cfg.recipe)
+        if self.recipe is None:
+            raise CloverError(f"unknown recipe '{cfg.recipe}'; choose from: {', '.join(RECIPES)}")
+        if cfg.seq_len % 64:
+            raise CloverError(f"seq_len={cfg.seq_len} must be a multiple of 64 (the chunk size)")
+        self.state = {"step": 0, "stage": 0, "stage_starts": [0], "max_steps": cfg.max_steps, "tokens_seen": 0}
+        checkpoint = recover_dir(self.out / "checkpoint")
+        if resume and checkpoint is None:
+            raise CloverError(f"--resume: no checkpoint in {self.out}")
+        if not resume and checkpoint is not None:
+            raise CloverError(f"{self.out} already holds a run; pass --resume to continue it or choose another --out")
+        if checkpoint is not None:
+            saved = json.loads((checkpoint / "train_state.json").read_text())
+            self.state = saved["state"]
+            self.tokenizer = load_tokenizer(checkpoint)
+            self.model = load_model(checkpoint).train()
+        else:
+            self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else build_default_tokenizer()
+            config = preset_config(
+                cfg.preset,
+                vocab_size=len(self.tokenizer),
+                mask_token_id=self.tokenizer.mask_token_id,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.tokenizer.eos_token_id,
+                **cfg.overrides,
+            )
+            torch.manual_seed(cfg.seed)
+            self.model = CloverForBlockDiffusion(config).train()
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            (decay if param.ndim >= 2 and "embed" not in name else no_decay).append(param)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+        )
+        if checkpoint is not None:
+            load_optimizer_state(
+                self.optimizer,
+                load_optimizer_file(checkpoint / "optimizer.safetensors"),
+                saved["optimizer"],
+            )
+        stdlib = tokenize_stdlib(self.tokenizer, "train") if self.recipe.mixture.get("stdlib") else None
+        self.mixture = Mixture(self.tokenizer, self.recipe.mixture, cfg.seq_len, stdlib, self.recipe.task_sizes)
+        # a spread of 1 in 10 test files is plenty for four evaluation windows
+        self.evaluator = Evaluator(self.tokenizer, cfg, tokenize_stdlib(self.tokenizer, "val", every=10))
+        self.log_path = self.out / "train_log.jsonl"
+
+    def autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16)
+
+    def _log(self, record: dict) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def save_checkpoint(self) -> None:
+        tensors, meta = optimizer_tensors(self.optimizer)
+
+        def write(folder: Path):
+            save_model(self.model, self.tokenizer, folder)
+            save_file(tensors, str(folder / "optimizer.safetensors"))
+            payload = {"state": self.state, "optimizer": meta, "train_config": asdict(self.cfg)}
+            (folder / "train_state.json").write_text(json.dumps(payload, indent=1))
+
+        atomic_write_dir(self.out / "checkpoint", write)
+
+    def train_step(self, step: int) -> dict:
+        cfg, recipe = self.cfg, self.recipe
+        stage = recipe.stages[self.state["stage"]]
+        batch = self.mixture.batch(cfg.seed, step, cfg.batch_size)
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        autoregressive = float(torch.rand(1, generator=generator)) < stage.ar_fraction
+        if autoregressive:
+            sizes, t_fixed = [1] * cfg.seq_len, 1.0
+        else:
+            sizes, t_fixed = sample_partition(cfg.seq_len, stage.block_sizes, generator), None
+        eligible = batch.eligible(stage.chat_mode)
+        noised = mask_blocks(batch.input_ids, eligible, sizes, self.model.config.mask_token_id, generator, t_fixed=t_fixed)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg, self.state["max_steps"])
+        with self.autocast():
+            loss, aux, stats = diffusion_loss(self.model, batch.input_ids, eligible, noised, sizes)
+        (loss + self.model.config.router_aux_loss_coef * aux).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.update_router_bias()
+        tokens = int((~batch.is_pad).sum())
+        self.state["tokens_seen"] += tokens
+        return {
+            "step": step,
+            "loss": round(float(loss.detach()), 5),
+            "acc_masked": round(float(stats["acc_masked"]), 4),
+            "grad_norm": round(float(grad_norm), 4),
+            "lr": group["lr"],
+            "stage": self.state["stage"],
+            "ar": autoregressive,
+            "tokens": tokens,
+        }
+
+    def _maybe_advance_stage(self, step: int, metrics: dict | None) -> None:
+        stage, max_steps = self.state["stage"], self.state["max_steps"]
+        stages = self.recipe.stages
+        if stage + 1 >= len(stages):
+            return
+        if stage == 0:
+            copied = metrics is not None and metrics["copy"] >= self.recipe.copy_threshold
+            if not copied and step < self.recipe.warmup_max_fraction * max_steps:
+                return
+        else:
+            # the widening stages share the steps left after the warm-up equally
+            start = self.state["stage_starts"][1]
+            share = (max_steps - start) / (len(stages) - 1)
+            if step < start + share * stage:
+                return
+        self.state["stage"] = stage + 1
+        self.state["stage_starts"].append(step)
+        self._log({"event": "stage", "step": step, "stage": stage + 1, "block_sizes": stages[stage + 1].block_sizes})
+
+    def calibrate_steps(self) -> int:
+        """Turn a --minutes budget into a fixed step count (so the schedule and resume stay step-based)."""
+        start = time.perf_counter()
+        probe_steps = 3
+        snapshot = {k: v.clone() for k, v in self.model.state_dict().items()}
+        optimizer_state = self.optimizer.state_dict()
+        for step in range(probe_steps):
+            self.state["max_steps"] = 10**9
+            self.train_step(step)
+        per_step = (time.perf_counter() - start) / probe_steps
+        self.model.load_state_dict(snapshot)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.state.clear()
+        self.state["tokens_seen"] = 0
+        for block in self.model.moe_blocks():
+            block.expert_load.zero_()
+        # evaluation and checkpoints take about 8% of the time
+        return max(1, int(self.cfg.minutes * 60 * 0.92 / per_step))
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        if self.state["max_steps"] is None:
+            if cfg.minutes is None:
+                raise CloverError("give --max-steps or --minutes")
+            self.state["max_steps"] = self.calibrate_steps()
+            self._log({"event": "calibrated", "max_steps": self.state["max_steps"], "minutes": cfg.minutes})
+        max_steps = self.state["max_steps"]
+        start_step = self.state["step"]
+        last_checkpoint = time.monotonic()
+        metrics = None
+        bar = tqdm(range(start_step, max_steps), initial=start_step, total=max_steps, desc="train", dynamic_ncols=True)
+        started = time.perf_counter()
+        tokens_this_run = 0
+        for step in bar:
+            record = self.train_step(step)
+            tokens_this_run += record["tokens"]
+            self.state["step"] = step + 1
+            record["tok_s"] = round(tokens_this_run / (time.perf_counter() - started), 1)
+            self._log(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tok_s']:.0f}", stage=record["stage"])
+            last = step + 1 == max_steps
+            metrics = None
+            if (step + 1) % cfg.eval_every == 0 or last:
+                metrics = self.evaluator(self.model, self.autocast)
+                self._log({"event": "eval", "step": step + 1, **{k: round(v, 4) for k, v in metrics.items()}})
+                bar.write(f"step {step + 1}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+            self._maybe_advance_stage(step + 1, metrics)
+            due = (
+                (step + 1) % cfg.checkpoint_every == 0
+                if cfg.checkpoint_every
+                else time.monotonic() - last_checkpoint > cfg.checkpoint_minutes * 60
+            )
+            if due or last:
+                self.save_checkpoint()
+                last_checkpoint = time.monotonic()
+        bar.close()
+        return {"steps": self.state["step"], "tokens_seen": self.state["tokens_seen"], "final_eval": metrics}
+
+
+def main(argv=None) -> None:
+    """`python -m cloverlm.train` is the same as `clover train`."""
+    from .cli import main as cli_main
+
+    cli_main(["train", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    main()

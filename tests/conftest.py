@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from cloverlm import CloverForBlockDiffusion, preset_config
+
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    num_experts=8,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    head_dim=16,
+)
+
+
+def tiny_model(preset: str = "clover-tiny", seed: int = 0, **overrides) -> CloverForBlockDiffusion:
+    """A random tiny model; weights are jittered so that gates and routers are far from their init."""
+    torch.manual_seed(seed)
+    model = CloverForBlockDiffusion(preset_config(preset, **{**TINY, **overrides})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+@pytest.fixture
+def model():
+    return tiny_model()

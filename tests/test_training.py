@@ -1,0 +1,214 @@
+"""The block-diffusion objective, the data mixture, the simple decoder, checkpoints and exact resume."""
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cloverlm import CloverError
+from cloverlm.checkpoint import load_model, save_model
+from cloverlm.diffusion import diffusion_loss, mask_blocks, sample_partition, uniform_partition
+from cloverlm.generate import generate
+from conftest import tiny_model
+
+
+def test_partition_covers_sequence_without_crossing_chunks():
+    g = torch.Generator().manual_seed(0)
+    for length in (64, 100, 2368):
+        sizes = sample_partition(length, [1, 4, 8, 16, 32], g)
+        assert sum(sizes) == length and set(sizes) <= {1, 4, 8, 16, 32}
+        ends = torch.tensor(sizes).cumsum(0)
+        starts = ends - torch.tensor(sizes)
+        assert ((starts // 64) == ((ends - 1) // 64)).all()
+    with pytest.raises(CloverError, match="must include 1"):
+        sample_partition(64, [4, 8], g)
+    with pytest.raises(CloverError, match="block size 5 does not divide the sequence length 64"):
+        uniform_partition(64, 5)
+
+
+def test_masking_per_block_and_complementary():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 100, (4, 64))
+    eligible = torch.ones_like(ids, dtype=torch.bool)
+    eligible[:, :10] = False  # a chat prompt
+    noised = mask_blocks(ids, eligible, [16] * 4, 2, g)
+    assert not noised.masked[:, :10].any()
+    assert (noised.noisy_ids[noised.masked] == 2).all() and (noised.noisy_ids[~noised.masked] == ids[~noised.masked]).all()
+    assert (noised.t.view(4, 4, 16) == noised.t.view(4, 4, 16)[..., :1]).all()  # one t per block
+    full = mask_blocks(ids, eligible, [1] * 64, 2, g, t_fixed=1.0)
+    assert torch.equal(full.masked, eligible)
+    pair = mask_blocks(ids, eligible, [16] * 4, 2, g, complementary=True)
+    first, second = pair.masked.chunk(2)
+    assert torch.equal(first ^ second, eligible) and not (first & second).any()
+
+
+def test_block_size_one_fully_masked_is_next_token_loss():
+    model = tiny_model()
+    ids = torch.randint(3, 300, (2, 24))
+    eligible = torch.ones_like(ids, dtype=torch.bool)
+    noised = mask_blocks(ids, eligible, [1] * 24, 2, torch.Generator(), t_fixed=1.0)
+    with torch.no_grad():
+        loss, _, _ = diffusion_loss(model, ids, eligible, noised, [1] * 24)
+        # independent computation: position i predicted from the clean tokens < i only
+        expected = []
+        for i in range(24):
+            prefix = ids[:, : i + 1].clone()
+            noisy = prefix.clone()
+            noisy[:, i] = 2
+            logits = model(prefix, noisy, [1] * (i + 1)).logits[:, i]
+            expected.append(F.cross_entropy(logits, ids[:, i], reduction="none"))
+    torch.testing.assert_close(loss, torch.stack(expected).mean(), atol=1e-5, rtol=1e-5)
+
+
+def test_elbo_weights_by_inverse_t():
+    model = tiny_model()
+    ids = torch.randint(3, 300, (1, 16))
+    eligible = torch.ones_like(ids, dtype=torch.bool)
+    g = torch.Generator().manual_seed(3)
+    noised = mask_blocks(ids, eligible, [16], 2, g)
+    with torch.no_grad():
+        loss, _, _ = diffusion_loss(model, ids, eligible, noised, [16])
+        logits = model(ids, noised.noisy_ids, [16]).logits[noised.masked]
+    nll = F.cross_entropy(logits, ids[noised.masked], reduction="sum")
+    torch.testing.assert_close(loss, nll / noised.t[0, 0] / 16, atol=1e-5, rtol=1e-5)
+
+
+def test_block_size_one_decoding_is_greedy_next_token():
+    model = tiny_model()
+    prompt = torch.randint(3, 300, (12,)).tolist()
+    result = generate(model, prompt, max_new_tokens=10, block_size=1, stop_ids=(299,))
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(10):
+            ids = torch.tensor([sequence + [0]])
+            noisy = ids.clone()
+            noisy[0, -1] = 2
+            sequence.append(int(model(ids, noisy, [1] * ids.shape[1]).logits[0, -1].argmax()))
+    expected = sequence[len(prompt) :]
+    if 299 in expected:
+        expected = expected[: expected.index(299)]
+    assert result.tokens == expected
+    assert result.forwards == 1 + 2 * 10  # prefill, then one step and one commit per token
+
+
+def test_generate_rejects_bad_arguments(model):
+    with pytest.raises(CloverError, match="empty prompt"):
+        generate(model, [])
+    with pytest.raises(CloverError, match="max_new_tokens must be at least 1"):
+        generate(model, [5], max_new_tokens=0)
+    with pytest.raises(CloverError, match=r"threshold must be in \(0, 1\]"):
+        generate(model, [5], threshold=1.5)
+    with pytest.raises(CloverError, match="block size 65 is outside 1..64"):
+        generate(model, [5], block_size=65)
+
+
+def test_bad_checkpoints_get_one_line_errors(tmp_path, model):
+    save_model(model, None, tmp_path / "good")
+    weights = (tmp_path / "good" / "model.safetensors").read_bytes()
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(CloverError, match="corrupt or truncated"):
+        load_model(truncated)
+    (truncated / "model.safetensors").write_bytes(b"garbage" * 10)
+    with pytest.raises(CloverError, match="corrupt or truncated"):
+        load_model(truncated)
+    pickled = tmp_path / "model.pt"
+    pickled.write_bytes(pickle.dumps({"weights": [1, 2, 3]}))
+    with pytest.raises(CloverError, match="looks like a pickle"):
+        load_model(pickled)
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({}))
+    with pytest.raises(CloverError, match="pickle checkpoints are refused"):
+        load_model(folder)
+    with pytest.raises(CloverError, match="the folder does not exist"):
+        load_model(tmp_path / "missing")
+    (truncated / "model.safetensors").write_bytes(weights)
+    (truncated / "config.json").write_text("{not json")
+    with pytest.raises(CloverError, match="unreadable config.json"):
+        load_model(truncated)
+
+
+def clover(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "cloverlm.cli", *args], capture_output=True, text=True, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "   "], "error: empty prompt"),
+        (["generate", "--model", "/nonexistent/model", "hello"], "error: no model at /nonexistent/model"),
+        (["info", "clover-7b"], "error: unknown preset 'clover-7b'"),
+    ],
+)
+def test_cli_errors_are_one_line(args, message):
+    result = clover(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip() == result.stderr.strip().splitlines()[0]
+    assert result.stderr.startswith(message)
+
+
+def test_info_json_reports_counts():
+    result = clover("info", "clover-35b-a3b", "--json")
+    info = json.loads(result.stdout)
+    assert 33e9 < info["total_params"] < 37e9 and 2.85e9 < info["active_params"] < 3.15e9
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    from cloverlm.data import build_default_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    build_default_tokenizer(vocab_size=1024, task_samples=20).save_pretrained(folder)
+    return folder
+
+
+TRAIN_ARGS = [
+    "--seq-len", "512", "--batch-size", "2", "--eval-every", "4", "--probe-examples", "1",
+    "--checkpoint-every", "1", "--max-steps", "7", "--threads", "1",
+    "--set", "hidden_size=32", "--set", "num_experts=4", "--set", "moe_intermediate_size=16",
+    "--set", "shared_expert_intermediate_size=32", "--set", "linear_key_head_dim=8",
+    "--set", "linear_value_head_dim=8", "--set", "head_dim=8",
+]  # fmt: skip
+
+
+def losses(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "train_log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]  # a replayed step overwrites the killed run's entry
+    return out
+
+
+def test_resume_after_sigkill_replays_the_same_losses(tmp_path, small_tokenizer):
+    common = [*TRAIN_ARGS, "--tokenizer", str(small_tokenizer)]
+    reference = clover("train", "--out", str(tmp_path / "ref"), *common, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cloverlm.cli", "train", "--out", str(killed), *common],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline and len(losses(killed) if (killed / "train_log.jsonl").exists() else {}) < 4:
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert len(losses(killed)) < 7, "the run finished before it could be killed"
+    again = clover("train", "--out", str(killed), *common)
+    assert again.returncode == 2 and "pass --resume" in again.stderr
+    resumed = clover("train", "--out", str(killed), *common, "--resume", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert losses(killed) == losses(tmp_path / "ref")
+    assert len(losses(killed)) == 7
