@@ -212,3 +212,14 @@ def test_resume_after_sigkill_replays_the_same_losses(tmp_path, small_tokenizer)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert losses(killed) == losses(tmp_path / "ref")
     assert len(losses(killed)) == 7
+
+
+def test_minutes_budget_becomes_a_fixed_step_count(tmp_path, small_tokenizer):
+    args = [a for a in TRAIN_ARGS if a not in ("--max-steps", "7")]
+    result = clover("train", "--out", str(tmp_path / "run"), *args, "--minutes", "0.3", "--tokenizer", str(small_tokenizer), timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    calibrated = [r for r in records if r.get("event") == "calibrated"]
+    assert len(calibrated) == 1 and calibrated[0]["max_steps"] >= 1
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == list(range(calibrated[0]["max_steps"]))  # the probe steps are not logged nor kept

@@ -318,14 +318,12 @@ class Trainer:
         start = time.perf_counter()
         probe_steps = 3
         snapshot = {k: v.clone() for k, v in self.model.state_dict().items()}
-        optimizer_state = self.optimizer.state_dict()
         for step in range(probe_steps):
             self.state["max_steps"] = 10**9
             self.train_step(step)
         per_step = (time.perf_counter() - start) / probe_steps
         self.model.load_state_dict(snapshot)
-        self.optimizer.load_state_dict(optimizer_state)
-        self.optimizer.state.clear()
+        self.optimizer.state.clear()  # fresh Adam moments: the probe steps never happened
         self.state["tokens_seen"] = 0
         for block in self.model.moe_blocks():
             block.expert_load.zero_()
