@@ -223,3 +223,24 @@ def test_minutes_budget_becomes_a_fixed_step_count(tmp_path, small_tokenizer):
     assert len(calibrated) == 1 and calibrated[0]["max_steps"] >= 1
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == list(range(calibrated[0]["max_steps"]))  # the probe steps are not logged nor kept
+
+
+def test_init_from_starts_at_the_given_weights(tmp_path, small_tokenizer):
+    from safetensors.torch import load_file
+
+    from cloverlm.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(small_tokenizer)
+    start = tiny_model(
+        vocab_size=len(tokenizer), hidden_size=32, num_experts=4, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8,
+    )  # fmt: skip
+    save_model(start, tokenizer, tmp_path / "start")
+    args = ["--seq-len", "512", "--batch-size", "1", "--max-steps", "1", "--lr", "0", "--probe-examples", "1", "--threads", "1"]
+    result = clover("train", "--out", str(tmp_path / "run"), "--init-from", str(tmp_path / "start"), *args, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    before = load_file(str(tmp_path / "start" / "model.safetensors"))
+    after = load_file(str(tmp_path / "run" / "checkpoint" / "model.safetensors"))
+    for name, tensor in before.items():
+        if not name.endswith("expert_bias"):  # the balancing bias moves even at lr 0
+            torch.testing.assert_close(after[name], tensor, msg=name)

@@ -76,6 +76,7 @@ def cmd_train(args) -> None:
         max_steps=args.max_steps,
         minutes=args.minutes,
         tokenizer=args.tokenizer,
+        init_from=args.init_from,
         overrides=_parse_overrides(args.set),
         bf16=not args.fp32,
     )
@@ -175,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (default: every 5 minutes)")
     p.add_argument("--probe-examples", type=int)
     p.add_argument("--tokenizer", help="a tokenizer folder (default: train the default one)")
+    p.add_argument("--init-from", help="start from this model folder's weights and tokenizer (fine-tuning)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--threads", type=int)
     p.add_argument("--fp32", action="store_true", help="disable bf16 autocast")

@@ -76,6 +76,18 @@ RECIPES = {
         # Fewer messages per prompt pack more copy events into each CPU-second.
         task_sizes={"no_fly_zones": {"n_messages": (2, 20)}, "kv_retrieval": {"n_pairs": (5, 60)}},
     ),
+    # Continue a `default` model (--init-from) on copy-heavy data: shorter prompts, longer next-token
+    # phase, since copying is the skill the default budget did not reach.
+    "copy-focus": Recipe(
+        mixture={"stdlib": 0.1, "no_fly_zones": 0.45, "kv_retrieval": 0.35, "tool_call": 0.1},
+        stages=[
+            Stage([1], 1.0, chat_mode=True),
+            Stage([1, 4, 8, 16], 0.3, chat_mode=True),
+            Stage([1, 4, 8, 16, 32], 0.3, chat_mode=True),
+        ],
+        warmup_max_fraction=0.7,
+        task_sizes={"no_fly_zones": {"n_messages": (2, 12)}, "kv_retrieval": {"n_pairs": (5, 30)}},
+    ),
 }
 
 
@@ -99,6 +111,7 @@ class TrainConfig:
     checkpoint_every: int | None = None  # in steps; overrides checkpoint_minutes (tests)
     bf16: bool = True
     tokenizer: str | None = None
+    init_from: str | None = None  # a model folder to start from instead of random weights
     overrides: dict = field(default_factory=dict)  # CloverConfig fields
     probe_examples: int = 8
 
@@ -209,6 +222,9 @@ class Trainer:
             self.state = saved["state"]
             self.tokenizer = load_tokenizer(checkpoint)
             self.model = load_model(checkpoint).train()
+        elif cfg.init_from:  # fine-tune: the weights and tokenizer of a model folder, a fresh schedule
+            self.tokenizer = load_tokenizer(cfg.init_from)
+            self.model = load_model(cfg.init_from).train()
         else:
             self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else build_default_tokenizer()
             config = preset_config(
