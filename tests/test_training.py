@@ -126,6 +126,10 @@ def test_bad_checkpoints_get_one_line_errors(tmp_path, model):
     pickled.write_bytes(pickle.dumps({"weights": [1, 2, 3]}))
     with pytest.raises(CloverError, match="looks like a pickle"):
         load_model(pickled)
+    disguised = tmp_path / "weights.safetensors"  # recognised by its first bytes, not its name
+    disguised.write_bytes(pickle.dumps({"weights": [1, 2, 3]}))
+    with pytest.raises(CloverError, match="looks like a pickle"):
+        load_model(disguised)
     folder = tmp_path / "pickled"
     folder.mkdir()
     (folder / "pytorch_model.bin").write_bytes(pickle.dumps({}))

@@ -33,8 +33,13 @@ def _check_safetensors(path: Path) -> None:
         raise CloverError(f"{path} is corrupt or truncated ({str(error).splitlines()[0][:120]})") from None
 
 
+def _leading_bytes(path: Path) -> bytes:
+    with open(path, "rb") as handle:  # two bytes, not the whole (possibly multi-GB) file
+        return handle.read(2)
+
+
 def _reject_pickle(path: Path) -> None:
-    if path.suffix in PICKLE_SUFFIXES or (path.is_file() and path.read_bytes()[:2] in (b"\x80\x02", b"\x80\x04", b"\x80\x05", b"PK")):
+    if path.suffix in PICKLE_SUFFIXES or (path.is_file() and _leading_bytes(path) in (b"\x80\x02", b"\x80\x04", b"\x80\x05", b"PK")):
         raise CloverError(f"{path} looks like a pickle/torch.save file; cloverlm only loads safetensors + JSON checkpoints")
 
 
