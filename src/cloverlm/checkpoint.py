@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from transformers import PretrainedConfig, PreTrainedModel
 
 from .config import CloverConfig
 from .errors import CloverError
@@ -43,8 +44,8 @@ def _reject_pickle(path: Path) -> None:
         raise CloverError(f"{path} looks like a pickle/torch.save file; cloverlm only loads safetensors + JSON checkpoints")
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32) -> CloverForBlockDiffusion:
-    """Load a model folder with one-line errors for every way it can be wrong."""
+def checked_weights(path: str | Path) -> Path:
+    """The model.safetensors of a model folder, after a one-line CloverError for every way it can be wrong."""
     path = Path(path)
     if path.is_file():
         _reject_pickle(path)
@@ -57,21 +58,53 @@ def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32) -> C
         hint = f" (found {pickles}: pickle checkpoints are refused)" if pickles else ""
         raise CloverError(f"no {WEIGHTS} in {path}{hint}")
     _check_safetensors(weights)
+    return weights
+
+
+def _unreadable_config(path, error: Exception) -> CloverError:
+    return CloverError(f"unreadable config.json in {path}: {str(error).splitlines()[0][:120]}")
+
+
+def stored_model_type(path: str | Path) -> str:
+    """The model_type in a model folder's config.json ("clover" or the peer's "qwen3_5_moe_text")."""
     try:
-        config = CloverConfig.from_pretrained(path)
+        stored = json.loads((Path(path) / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise CloverError(f"unreadable config.json in {path}: {str(error).splitlines()[0][:120]}") from None
+        raise _unreadable_config(path, error) from None
+    return stored.get("model_type", "") if isinstance(stored, dict) else ""
+
+
+def read_config(config_class: type[PretrainedConfig], path: str | Path) -> PretrainedConfig:
+    """The folder's config, refusing a folder of another model type (transformers would only warn)."""
+    found = stored_model_type(path)
+    if found != config_class.model_type:
+        raise CloverError(f"{path} holds a '{found}' model, not a '{config_class.model_type}' one")
+    try:
+        return config_class.from_pretrained(path)
+    except (OSError, json.JSONDecodeError) as error:
+        raise _unreadable_config(path, error) from None
+
+
+def load_weights(model: PreTrainedModel, weights: Path) -> None:
+    """Fill `model` from a checked safetensors file; a tied lm_head is stored once, as the embedding."""
+    tied = model.config.tie_word_embeddings
     state = load_file(str(weights))
-    model = CloverForBlockDiffusion(config)
-    if config.tie_word_embeddings:
+    if tied:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
         raise CloverError(
             f"{weights} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     model.tie_weights()
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32) -> CloverForBlockDiffusion:
+    """Load a model folder with one-line errors for every way it can be wrong."""
+    weights = checked_weights(path)
+    model = CloverForBlockDiffusion(read_config(CloverConfig, path))
+    load_weights(model, weights)
     return model.to(dtype).eval() if dtype is not None else model.eval()
 
 
@@ -106,8 +139,8 @@ def recover_dir(target: Path) -> Path | None:
     return None
 
 
-def save_model(model: CloverForBlockDiffusion, tokenizer, folder: Path, dtype: torch.dtype | None = None) -> None:
-    """config.json + model.safetensors (+ tokenizer files and chat_template.jinja)."""
+def save_model(model: PreTrainedModel, tokenizer, folder: Path, dtype: torch.dtype | None = None) -> None:
+    """config.json + model.safetensors (+ tokenizer files and chat_template.jinja), for Clover or its peer."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(folder)

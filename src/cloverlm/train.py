@@ -3,6 +3,7 @@
 Run: `clover train --preset clover-tiny --recipe default --minutes 60 --out runs/tiny`.
 Every batch and every mask is a pure function of (seed, step), and checkpoints hold the weights,
 optimizer and schedule state, so `--resume` replays exactly the steps an uninterrupted run takes.
+`--arch qwen3.5-moe` trains the same-size autoregressive peer (peer.py) on the same data and schedule.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from . import peer
 from .checkpoint import (
     atomic_write_dir,
     load_model,
@@ -28,8 +31,8 @@ from .checkpoint import (
     recover_dir,
     save_model,
 )
-from .config import preset_config
-from .data import Mixture, build_default_tokenizer, heldout_examples, tokenize_stdlib
+from .config import CloverConfig, preset_config
+from .data import Batch, Mixture, build_default_tokenizer, heldout_examples, tokenize_stdlib
 from .diffusion import diffusion_loss, mask_blocks, sample_partition, uniform_partition
 from .errors import CloverError
 from .model import CloverForBlockDiffusion
@@ -95,6 +98,7 @@ RECIPES = {
 class TrainConfig:
     preset: str = "clover-tiny"
     recipe: str = "default"
+    arch: str = "clover"  # or "qwen3.5-moe": the same-size autoregressive peer (see ARCHS)
     out: str = "runs/clover-tiny"
     seed: int = 0
     seq_len: int = 2368
@@ -171,7 +175,10 @@ def fitting_examples(tokenizer, task: str, count: int, max_len: int, size_key: s
 
 
 class Evaluator:
-    def __init__(self, tokenizer, cfg: TrainConfig, val_tokens: torch.Tensor):
+    """Held-out windows and copy probes, scored by an architecture's `metrics`."""
+
+    def __init__(self, tokenizer, cfg: TrainConfig, val_tokens: torch.Tensor, metrics):
+        self.metrics = metrics
         rng = random.Random(99)
         length = min(cfg.seq_len, 512)
         starts = [rng.randrange(len(val_tokens) - length) for _ in range(4)]
@@ -186,16 +193,115 @@ class Evaluator:
         was_training = model.training
         model.eval()
         with autocast():
-            metrics = {
-                "elbo_b1": heldout_elbo(model, self.windows, 1),
-                "elbo_b16": heldout_elbo(model, self.windows, 16),
-            }
-            for task, examples in self.probe.items():
-                for block in (1, 16):
-                    metrics[f"copy_{task}_b{block}"] = copy_probe(model, examples, block)
+            metrics = self.metrics(model, self.windows, self.probe)
         metrics["copy"] = sum(metrics[f"copy_{t}_b1"] for t in self.probe) / len(self.probe)
         model.train(was_training)
         return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Architectures: the parts of training that depend on the model (everything else is shared)
+
+
+@dataclass
+class StepLoss:
+    loss: torch.Tensor  # the objective, as logged
+    total: torch.Tensor  # what is backpropagated: the objective plus router balancing
+    accuracy: torch.Tensor  # argmax accuracy on the scored positions
+    autoregressive: bool  # the batch was scored as pure next-token prediction
+
+
+class Arch(Protocol):
+    def build(self, config: CloverConfig) -> torch.nn.Module:
+        """A random model of the size of `config` (torch is seeded beforehand)."""
+
+    def load(self, folder: Path) -> torch.nn.Module: ...
+
+    def save(self, model, tokenizer, folder: Path) -> None: ...
+
+    def loss(self, model, batch: Batch, stage: Stage, cfg: TrainConfig, step: int) -> StepLoss:
+        """The training loss of one batch; any randomness must be a function of (cfg.seed, step)."""
+
+    def after_optimizer_step(self, model) -> None:
+        """Bookkeeping outside the gradient (Clover's routing-bias update)."""
+
+    def reset_router_load(self, model) -> None:
+        """Forget the expert load counted so far (the calibration steps never happened)."""
+
+    def metrics(self, model, windows: torch.Tensor, probe: dict[str, list]) -> dict[str, float]:
+        """Held-out scores; must include copy_<task>_b1 for every probe task (the warm-up's exit)."""
+
+
+class CloverArch:
+    """Block diffusion: a random block partition and masking per batch, the 1/t-weighted ELBO."""
+
+    def build(self, config):
+        return CloverForBlockDiffusion(config)
+
+    def load(self, folder):
+        return load_model(folder)
+
+    def save(self, model, tokenizer, folder):
+        save_model(model, tokenizer, folder)
+
+    def loss(self, model, batch, stage, cfg, step):
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        autoregressive = float(torch.rand(1, generator=generator)) < stage.ar_fraction
+        if autoregressive:
+            sizes, t_fixed = [1] * cfg.seq_len, 1.0
+        else:
+            sizes, t_fixed = sample_partition(cfg.seq_len, stage.block_sizes, generator), None
+        eligible = batch.eligible(stage.chat_mode)
+        noised = mask_blocks(batch.input_ids, eligible, sizes, model.config.mask_token_id, generator, t_fixed=t_fixed)
+        loss, aux, stats = diffusion_loss(model, batch.input_ids, eligible, noised, sizes)
+        return StepLoss(loss, loss + model.config.router_aux_loss_coef * aux, stats["acc_masked"], autoregressive)
+
+    def after_optimizer_step(self, model):
+        model.update_router_bias()
+
+    def reset_router_load(self, model):
+        for block in model.moe_blocks():
+            block.expert_load.zero_()
+
+    def metrics(self, model, windows, probe):
+        metrics = {"elbo_b1": heldout_elbo(model, windows, 1), "elbo_b16": heldout_elbo(model, windows, 16)}
+        for task, examples in probe.items():
+            for block in (1, 16):
+                metrics[f"copy_{task}_b{block}"] = copy_probe(model, examples, block)
+        return metrics
+
+
+class PeerArch:
+    """The autoregressive peer (Qwen3.5-MoE): next-token loss on the tokens Clover scores; no block
+    stages, but the current stage's chat_mode, so that both models learn from the same tokens."""
+
+    def build(self, config):
+        return peer.build_peer(peer.peer_config(config))
+
+    def load(self, folder):
+        return peer.load_peer(folder)
+
+    def save(self, model, tokenizer, folder):
+        peer.save_peer(model, tokenizer, folder)
+
+    def loss(self, model, batch, stage, cfg, step):
+        loss, aux, accuracy = peer.next_token_loss(model, batch.input_ids, batch.eligible(stage.chat_mode))
+        return StepLoss(loss, loss + model.config.router_aux_loss_coef * aux, accuracy, autoregressive=True)
+
+    def after_optimizer_step(self, model):
+        pass  # balancing is the aux loss alone: Qwen3.5-MoE has no routing bias
+
+    def reset_router_load(self, model):
+        pass  # no load is counted between steps
+
+    def metrics(self, model, windows, probe):
+        metrics = {"elbo_b1": peer.heldout_nll(model, windows)}
+        for task, examples in probe.items():
+            metrics[f"copy_{task}_b1"] = peer.copy_accuracy(model, examples)
+        return metrics
+
+
+ARCHS: dict[str, Arch] = {"clover": CloverArch(), peer.PEER_ARCH: PeerArch()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,6 +315,9 @@ class Trainer:
         self.recipe = RECIPES.get(cfg.recipe)
         if self.recipe is None:
             raise CloverError(f"unknown recipe '{cfg.recipe}'; choose from: {', '.join(RECIPES)}")
+        self.arch = ARCHS.get(cfg.arch)
+        if self.arch is None:
+            raise CloverError(f"unknown arch '{cfg.arch}'; choose from: {', '.join(ARCHS)}")
         if cfg.seq_len % 64:
             raise CloverError(f"seq_len={cfg.seq_len} must be a multiple of 64 (the chunk size)")
         self.state = {"step": 0, "stage": 0, "stage_starts": [0], "max_steps": cfg.max_steps, "tokens_seen": 0}
@@ -219,12 +328,15 @@ class Trainer:
             raise CloverError(f"{self.out} already holds a run; pass --resume to continue it or choose another --out")
         if checkpoint is not None:
             saved = json.loads((checkpoint / "train_state.json").read_text())
+            saved_arch = saved["train_config"].get("arch", "clover")
+            if saved_arch != cfg.arch:
+                raise CloverError(f"{self.out} is a run of --arch {saved_arch}; resume it with the same --arch")
             self.state = saved["state"]
             self.tokenizer = load_tokenizer(checkpoint)
-            self.model = load_model(checkpoint).train()
+            self.model = self.arch.load(checkpoint).train()
         elif cfg.init_from:  # fine-tune: the weights and tokenizer of a model folder, a fresh schedule
             self.tokenizer = load_tokenizer(cfg.init_from)
-            self.model = load_model(cfg.init_from).train()
+            self.model = self.arch.load(cfg.init_from).train()
         else:
             self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else build_default_tokenizer()
             config = preset_config(
@@ -236,7 +348,7 @@ class Trainer:
                 **cfg.overrides,
             )
             torch.manual_seed(cfg.seed)
-            self.model = CloverForBlockDiffusion(config).train()
+            self.model = self.arch.build(config).train()
         decay, no_decay = [], []
         for name, param in self.model.named_parameters():
             (decay if param.ndim >= 2 and "embed" not in name else no_decay).append(param)
@@ -254,7 +366,7 @@ class Trainer:
         stdlib = tokenize_stdlib(self.tokenizer, "train") if self.recipe.mixture.get("stdlib") else None
         self.mixture = Mixture(self.tokenizer, self.recipe.mixture, cfg.seq_len, stdlib, self.recipe.task_sizes)
         # a spread of 1 in 10 test files is plenty for four evaluation windows
-        self.evaluator = Evaluator(self.tokenizer, cfg, tokenize_stdlib(self.tokenizer, "val", every=10))
+        self.evaluator = Evaluator(self.tokenizer, cfg, tokenize_stdlib(self.tokenizer, "val", every=10), self.arch.metrics)
         self.log_path = self.out / "train_log.jsonl"
 
     def autocast(self):
@@ -269,7 +381,7 @@ class Trainer:
         tensors, meta = optimizer_tensors(self.optimizer)
 
         def write(folder: Path):
-            save_model(self.model, self.tokenizer, folder)
+            self.arch.save(self.model, self.tokenizer, folder)
             save_file(tensors, str(folder / "optimizer.safetensors"))
             payload = {"state": self.state, "optimizer": meta, "train_config": asdict(self.cfg)}
             (folder / "train_state.json").write_text(json.dumps(payload, indent=1))
@@ -280,33 +392,25 @@ class Trainer:
         cfg, recipe = self.cfg, self.recipe
         stage = recipe.stages[self.state["stage"]]
         batch = self.mixture.batch(cfg.seed, step, cfg.batch_size)
-        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        autoregressive = float(torch.rand(1, generator=generator)) < stage.ar_fraction
-        if autoregressive:
-            sizes, t_fixed = [1] * cfg.seq_len, 1.0
-        else:
-            sizes, t_fixed = sample_partition(cfg.seq_len, stage.block_sizes, generator), None
-        eligible = batch.eligible(stage.chat_mode)
-        noised = mask_blocks(batch.input_ids, eligible, sizes, self.model.config.mask_token_id, generator, t_fixed=t_fixed)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg, self.state["max_steps"])
         with self.autocast():
-            loss, aux, stats = diffusion_loss(self.model, batch.input_ids, eligible, noised, sizes)
-        (loss + self.model.config.router_aux_loss_coef * aux).backward()
+            step_loss = self.arch.loss(self.model, batch, stage, cfg, step)
+        step_loss.total.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.update_router_bias()
+        self.arch.after_optimizer_step(self.model)
         tokens = int((~batch.is_pad).sum())
         self.state["tokens_seen"] += tokens
         return {
             "step": step,
-            "loss": round(float(loss.detach()), 5),
-            "acc_masked": round(float(stats["acc_masked"]), 4),
+            "loss": round(float(step_loss.loss.detach()), 5),
+            "acc_masked": round(float(step_loss.accuracy), 4),
             "grad_norm": round(float(grad_norm), 4),
             "lr": group["lr"],
             "stage": self.state["stage"],
-            "ar": autoregressive,
+            "ar": step_loss.autoregressive,
             "tokens": tokens,
         }
 
@@ -341,8 +445,7 @@ class Trainer:
         self.model.load_state_dict(snapshot)
         self.optimizer.state.clear()  # fresh Adam moments: the probe steps never happened
         self.state["tokens_seen"] = 0
-        for block in self.model.moe_blocks():
-            block.expert_load.zero_()
+        self.arch.reset_router_load(self.model)
         # evaluation and checkpoints take about 8% of the time
         return max(1, int(self.cfg.minutes * 60 * 0.92 / per_step))
 
