@@ -27,14 +27,14 @@ def test_two_stream_equals_decoding_path(preset):
     x0, xt = noisy_pair(sum(SIZES))
     with torch.no_grad():
         parallel = model(x0, xt, SIZES).logits
-        cache = CloverCache.empty(model.config)
+        cache = CloverCache.empty(model.config, batch=2)
         start = 0
         for size in SIZES:
             step = model.forward_block(xt[:, start : start + size], cache, commit=False)
             torch.testing.assert_close(step, parallel[:, start : start + size], atol=1e-4, rtol=1e-4)
             model.forward_block(x0[:, start : start + size], cache, commit=True)
             start += size
-    assert cache.length == sum(SIZES)
+    assert cache.lengths.tolist() == [sum(SIZES)] * 2
 
 
 def test_noisy_stream_never_reads_its_own_future_or_other_noise():
@@ -56,17 +56,20 @@ def test_noisy_stream_never_reads_its_own_future_or_other_noise():
 def test_prefill_equals_block_by_block_commits(model):
     x0, _ = noisy_pair(sum(SIZES))
     with torch.no_grad():
-        sequential = CloverCache.empty(model.config)
+        sequential = CloverCache.empty(model.config, batch=2)
         start = 0
         for size in SIZES:
             model.forward_block(x0[:, start : start + size], sequential, commit=True)
             start += size
-        parallel = CloverCache.empty(model.config)
+        parallel = CloverCache.empty(model.config, batch=2)
         model.prefill(x0, SIZES, parallel)
         for a, b in zip(sequential.layers, parallel.layers):
-            for name in ("state", "conv_tail", "keys", "values"):
+            for name in ("state", "conv_tail"):
                 if getattr(a, name) is not None:
                     torch.testing.assert_close(getattr(b, name), getattr(a, name), atol=1e-5, rtol=1e-5)
+            for x, y in zip(a.cached_kv(), b.cached_kv()):
+                if x is not None:
+                    torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
         block = torch.full((2, 4), 2)
         torch.testing.assert_close(
             model.forward_block(block, parallel, commit=False), model.forward_block(block, sequential, commit=False), atol=1e-5, rtol=1e-5
@@ -75,12 +78,12 @@ def test_prefill_equals_block_by_block_commits(model):
 
 def test_masked_tokens_never_enter_the_cache(model):
     x0, _ = noisy_pair(16)
-    cache = CloverCache.empty(model.config)
+    cache = CloverCache.empty(model.config, batch=2)
     with torch.no_grad():
         model.prefill(x0, [8, 8], cache)
         before = [(c.state, c.keys) for c in cache.layers]
         model.forward_block(torch.full((2, 8), 2), cache, commit=False)
-    assert cache.length == 16
+    assert cache.lengths.tolist() == [16, 16]
     for (state, keys), layer in zip(before, cache.layers):
         assert layer.state is state and layer.keys is keys
 

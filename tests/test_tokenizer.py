@@ -230,3 +230,17 @@ def test_format_chat(tok):
     assert json.dumps(TOOLS[1]) + "\n</tools><|im_end|>\n<|im_start|>user\nadd<|im_end|>\n" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
     assert answer == "ok<|im_end|>"
+
+
+def test_stop_strings_keep_the_fewest_tokens_and_cut_the_text_exactly(tok):
+    from cloverlm.tokenizer import StopStrings
+
+    text = "alpha beta\n\nGAMMA delta"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    stop = StopStrings(tok, ["\n\n", "delta", ""])
+    keep = stop(ids)
+    kept_text = tok.decode(ids[:keep])
+    assert kept_text.startswith("alpha beta") and len(tok.decode(ids[: keep - 1])) < len("alpha beta")
+    assert stop.cut(kept_text) == stop.cut(text) == "alpha beta"
+    assert stop(tok("no stop here", add_special_tokens=False)["input_ids"]) is None
+    assert StopStrings(tok, ["ta"]).cut(text) == "alpha be"

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from cloverlm import CloverError
 from cloverlm.checkpoint import load_model, save_model
 from cloverlm.diffusion import diffusion_loss, mask_blocks, sample_partition, uniform_partition
-from cloverlm.generate import generate
 from conftest import tiny_model
 
 
@@ -79,35 +78,6 @@ def test_elbo_weights_by_inverse_t():
         logits = model(ids, noised.noisy_ids, [16]).logits[noised.masked]
     nll = F.cross_entropy(logits, ids[noised.masked], reduction="sum")
     torch.testing.assert_close(loss, nll / noised.t[0, 0] / 16, atol=1e-5, rtol=1e-5)
-
-
-def test_block_size_one_decoding_is_greedy_next_token():
-    model = tiny_model()
-    prompt = torch.randint(3, 300, (12,)).tolist()
-    result = generate(model, prompt, max_new_tokens=10, block_size=1, stop_ids=(299,))
-    sequence = list(prompt)
-    with torch.no_grad():
-        for _ in range(10):
-            ids = torch.tensor([sequence + [0]])
-            noisy = ids.clone()
-            noisy[0, -1] = 2
-            sequence.append(int(model(ids, noisy, [1] * ids.shape[1]).logits[0, -1].argmax()))
-    expected = sequence[len(prompt) :]
-    if 299 in expected:
-        expected = expected[: expected.index(299)]
-    assert result.tokens == expected
-    assert result.forwards == 1 + 2 * 10  # prefill, then one step and one commit per token
-
-
-def test_generate_rejects_bad_arguments(model):
-    with pytest.raises(CloverError, match="empty prompt"):
-        generate(model, [])
-    with pytest.raises(CloverError, match="max_new_tokens must be at least 1"):
-        generate(model, [5], max_new_tokens=0)
-    with pytest.raises(CloverError, match=r"threshold must be in \(0, 1\]"):
-        generate(model, [5], threshold=1.5)
-    with pytest.raises(CloverError, match="block size 65 is outside 1..64"):
-        generate(model, [5], block_size=65)
 
 
 def test_bad_checkpoints_get_one_line_errors(tmp_path, model):

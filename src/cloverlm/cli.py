@@ -1,4 +1,4 @@
-"""The `clover` command line: info, tokenizer, train, generate, eval."""
+"""The `clover` command line: info, tokenizer, train, generate, eval, calibrate, bench."""
 
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def cmd_train(args) -> None:
     cfg = TrainConfig(
         preset=args.preset,
         recipe=args.recipe,
+        arch=args.arch,
         out=args.out,
         seed=args.seed,
         max_steps=args.max_steps,
@@ -93,19 +94,45 @@ def cmd_train(args) -> None:
 
 
 def _load(args):
+    """The folder's model, Clover or its autoregressive peer (told apart by config.json), and tokenizer."""
     from .checkpoint import load_model
+    from .peer import is_peer_folder, load_peer
     from .tokenizer import load_tokenizer
 
     folder = Path(args.model) if args.model else default_model_dir()
-    model = load_model(folder)
+    model = load_peer(folder) if is_peer_folder(folder) else load_model(folder)
     return model, load_tokenizer(folder)
+
+
+def _is_clover(model) -> bool:
+    return model.config.model_type == "clover"
+
+
+def _block_size(value: str):
+    """--block-size: an integer, or "auto" (the model's calibration head picks each block's size)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
+def _engine(model, folder, block_size, **kwargs):
+    from .calibrate import load_calibration
+    from .engine import Engine
+
+    calibration = load_calibration(folder) if block_size == "auto" else None
+    return Engine(model, calibration=calibration, **kwargs)
 
 
 def cmd_generate(args) -> None:
     from . import tasks
     from .data import HELDOUT_SEED_BASE
-    from .generate import generate
-    from .tokenizer import format_chat
+    from .engine import DecodeParams, Request
+    from .evaluate import stop_token_ids
+    from .peer import peer_generate
+    from .tokenizer import StopStrings, format_chat
 
     example = None
     if args.task:
@@ -119,32 +146,107 @@ def cmd_generate(args) -> None:
     model, tokenizer = _load(args)
     text = prompt if args.raw else format_chat(tokenizer, prompt, tools=tools)[0]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    stops = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    result = generate(
-        model, ids, max_new_tokens=args.max_new_tokens, block_size=args.block_size, threshold=args.threshold, stop_ids=stops
-    )
-    output = tokenizer.decode(result.tokens)
-    print(output)
+    stops = stop_token_ids(tokenizer)
+    stop_strings = StopStrings(tokenizer, args.stop)
+    if _is_clover(model):
+        shown = []
+
+        def show(request, new_tokens):  # stream each block as it is committed
+            before = stop_strings.cut(tokenizer.decode(shown))
+            shown.extend(new_tokens)
+            print(stop_strings.cut(tokenizer.decode(shown))[len(before) :], end="", flush=True)
+
+        params = DecodeParams(
+            max_new_tokens=args.max_new_tokens,
+            block_size=args.block_size,
+            threshold=args.threshold,
+            strategy=args.strategy,
+            temperature=args.temperature,
+            seed=args.sampling_seed,
+            stop_token_ids=stops,
+            stop=stop_strings if args.stop else None,
+        )
+        folder = Path(args.model) if args.model else default_model_dir()
+        [completion] = _engine(model, folder, args.block_size).generate([Request(ids, params, on_block=show)])
+        print()
+        tokens = completion.tokens
+        summary = (
+            f"[{len(tokens)} tokens, {completion.forwards} forwards, {completion.blocks} blocks, "
+            f"{completion.tokens_per_forward:.2f} tokens/forward]"
+        )
+    else:  # the peer decodes left to right; --block-size and --threshold do not apply
+        tokens = peer_generate(model, ids, max_new_tokens=args.max_new_tokens, stop_ids=stops)
+        print(stop_strings.cut(tokenizer.decode(tokens)))
+        summary = f"[{len(tokens)} tokens, autoregressive: one forward per token]"
+    output = stop_strings.cut(tokenizer.decode(tokens))
     if example is not None:
         scores = tasks.get_task(args.task).check(example, output)
         print(json.dumps({"expected": example.answer, "scores": scores}), file=sys.stderr)
-    print(
-        f"[{len(result.tokens)} tokens, {result.forwards} forwards, {result.tokens_per_forward:.2f} tokens/forward]",
-        file=sys.stderr,
+    print(summary, file=sys.stderr)
+
+
+def cmd_calibrate(args) -> None:
+    from .calibrate import calibrate
+
+    model, tokenizer = _load(args)
+    if not _is_clover(model):
+        raise CloverError(f"{args.model} holds the autoregressive peer: it has no block size to calibrate")
+    calibration, report = calibrate(
+        model, tokenizer, threshold=args.threshold, fit_prompts=args.fit_prompts, eval_prompts=args.eval_prompts,
+        max_new_tokens=args.max_new_tokens,
     )
+    folder = Path(args.model) if args.model else default_model_dir()
+    calibration.save(folder, extra=report)
+    for row in report["evaluation"]:
+        print(f"block size {row['block_size']!s:>4}: {row['tpf']:6.2f} tokens/forward  {row['tokens_per_s']:7.1f} tokens/s  accuracy {row['accuracy']:.3f}")
+    print(f"calibration written to {folder}/calibration.json")
 
 
 def cmd_eval(args) -> None:
     from .evaluate import evaluate_tasks
 
     model, tokenizer = _load(args)
+    if not _is_clover(model):
+        raise CloverError(f"clover eval decodes Clover models only; {args.model} holds the autoregressive peer")
+    from .calibrate import load_calibration
+
+    folder = Path(args.model) if args.model else default_model_dir()
     report = evaluate_tasks(
-        model, tokenizer, args.tasks, args.n, block_size=args.block_size, threshold=args.threshold
+        model, tokenizer, args.tasks, args.n, block_size=args.block_size, threshold=args.threshold,
+        calibration=load_calibration(folder),
     )
     text = json.dumps(report, indent=1)
     if args.json:
         Path(args.json).write_text(text)
     print(text)
+
+
+def cmd_bench(args) -> None:
+    import torch
+
+    from .bench import BenchOptions, load_models, parse_context, run_bench, write_report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = {"block_size": args.block_size, "threshold": args.threshold}
+    if args.repeats is not None:
+        overrides["repeats"] = args.repeats
+    if args.contexts:
+        overrides["contexts"] = tuple(parse_context(text) for text in args.contexts)
+    options = BenchOptions.quick(**overrides) if args.quick else BenchOptions(**overrides)
+    shipped = default_model_dir().parent  # the default peer and memory-only model sit next to the default model
+    peer = None
+    if not args.no_peer:
+        peer = Path(args.peer) if args.peer else shipped / "qwen3.5-moe-tiny"
+    models = load_models(
+        Path(args.model) if args.model else default_model_dir(),
+        Path(args.memory_model) if args.memory_model else shipped / "clover-tiny-memory",
+        peer,
+    )
+    report = run_bench(models, options)
+    written = write_report(report, Path(args.json))
+    print(json.dumps(report, indent=1))
+    print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="block-diffusion training")
     p.add_argument("--preset", default="clover-tiny")
     p.add_argument("--recipe", default="default")
+    p.add_argument(
+        "--arch", default="clover", help="clover, or qwen3.5-moe: the same-size autoregressive peer on the same data"
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float)
     p.add_argument("--max-steps", type=int)
@@ -182,14 +287,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp32", action="store_true", help="disable bf16 autocast")
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("calibrate", help="fit the block-size head (block_size='auto') on held-out prompts")
+    p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL}); the calibration is saved into it")
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--fit-prompts", type=int, default=16)
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.set_defaults(func=cmd_calibrate)
+
     for name, func, helptext in (
         ("generate", cmd_generate, "generate text from a prompt"),
         ("eval", cmd_eval, "per-task accuracy on held-out prompts"),
     ):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL})")
-        p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--threshold", type=float, default=1.0, help="confidence to unmask in parallel (1.0: one per step)")
+        p.add_argument("--block-size", type=_block_size, default=16, help="tokens per block, or 'auto' (calibrated)")
+        p.add_argument("--threshold", type=float, default=0.9, help="confidence to unmask in parallel (1.0: one per step)")
         p.set_defaults(func=func)
         if name == "generate":
             p.add_argument("prompt", nargs="?")
@@ -197,10 +310,28 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--seed", type=int, default=0, help="which held-out prompt of --task")
             p.add_argument("--max-new-tokens", type=int, default=256)
             p.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
+            p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+            p.add_argument("--strategy", default="threshold", help="threshold (Fast-dLLM) or low_confidence (LLaDA)")
+            p.add_argument("--temperature", type=float, default=0.0)
+            p.add_argument("--sampling-seed", type=int, help="seed for sampling (temperature > 0)")
         else:
             p.add_argument("--tasks", nargs="+", default=["no_fly_zones", "tool_call", "kv_retrieval", "arithmetic"])
             p.add_argument("--n", type=int, default=20)
             p.add_argument("--json")
+
+    p = sub.add_parser("bench", help="Clover against its autoregressive peer: accuracy, latency, context scaling")
+    p.add_argument("--model", help=f"Clover model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--peer", help="the autoregressive peer's folder (default: models/qwen3.5-moe-tiny)")
+    p.add_argument("--no-peer", action="store_true", help="Clover only; the peer's fields are null")
+    p.add_argument("--memory-model", help="memory-only model for context scaling (default: models/clover-tiny-memory)")
+    p.add_argument("--quick", action="store_true", help="under 3 minutes on a 2-core CPU: fewer prompts, 1 repeat, 1k and 4k")
+    p.add_argument("--json", default="runs/bench.json", help="the report; its plots go next to it (default: runs/bench.json)")
+    p.add_argument("--repeats", type=int, help="timed runs of each request (default: 3; --quick: 1)")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--contexts", nargs="+", metavar="N", help="context lengths (default: 1k 4k 16k 64k)")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -15,7 +15,7 @@ Both paths give the same noisy-stream logits (design invariant 2, tested).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -75,22 +75,139 @@ def validate_block_sizes(block_sizes: list[int], length: int, max_block_size: in
 
 @dataclass
 class LayerCache:
-    state: torch.Tensor | None = None  # memory: [B, H, Dk, Dv] fp32
-    conv_tail: torch.Tensor | None = None  # memory: [B, r, C] last r pre-conv rows of committed tokens
-    keys: torch.Tensor | None = None  # attention: [B, Hkv, T, D]
+    """One layer's history for a batch of requests (rows).
+
+    Memory layers: `state` [B, H, Dk, Dv] (fp32) and `conv_tail` [B, r, C], the last r pre-conv rows of
+    committed tokens; both constant in the context length. Attention layers: `keys` / `values`
+    [B, Hkv, capacity, D], of which the first `used` positions are filled (row b up to its own length,
+    the rest of the row is padding); capacity doubles as it fills so a commit costs O(block), not O(context).
+    """
+
+    state: torch.Tensor | None = None
+    conv_tail: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    used: int = 0
+
+    def cached_kv(self):
+        if self.keys is None:
+            return None, None
+        return self.keys[:, :, : self.used], self.values[:, :, : self.used]
+
+    def append_kv(self, k, v, lengths, valid) -> None:
+        """Write row b's valid block positions (a prefix of the block) at offsets lengths[b]..."""
+        counts = valid.sum(1)
+        need = int((lengths + counts).max())
+        if self.keys is None or need > self.keys.shape[2]:
+            capacity = max(need, 2 * (self.keys.shape[2] if self.keys is not None else 0))
+            grown = [k.new_zeros(k.shape[0], k.shape[1], capacity, k.shape[3]) for _ in range(2)]
+            if self.keys is not None:
+                grown[0][:, :, : self.used], grown[1][:, :, : self.used] = self.cached_kv()
+            self.keys, self.values = grown
+        rows, offsets = valid.nonzero(as_tuple=True)
+        slots = lengths[rows] + offsets
+        self.keys[rows, :, slots] = k[rows, :, offsets].to(self.keys.dtype)
+        self.values[rows, :, slots] = v[rows, :, offsets].to(self.values.dtype)
+        self.used = max(self.used, need)
+
+    def nbytes(self) -> int:
+        """Bytes of history held (attention: the filled positions, not the spare capacity)."""
+        tensors = [self.state, self.conv_tail, *self.cached_kv()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass
 class CloverCache:
-    """Per-request history. Memory layers: constant size. Attention layers: grow with committed tokens."""
+    """Per-request history for a batch of rows. Memory layers: constant size. Attention layers: grow with
+    committed tokens. Rows may hold different numbers of committed tokens (`lengths`)."""
 
-    layers: list[LayerCache] = field(default_factory=list)
-    length: int = 0  # committed tokens
+    layers: list[LayerCache]
+    lengths: torch.Tensor  # [B] committed tokens per row
 
     @classmethod
-    def empty(cls, config: CloverConfig) -> CloverCache:
-        return cls(layers=[LayerCache() for _ in range(config.num_hidden_layers)])
+    def empty(cls, config: CloverConfig, batch: int = 1, device=None) -> CloverCache:
+        layers = []
+        for kind in config.layer_types:
+            if kind == MEMORY:
+                channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
+                    config.linear_num_value_heads * config.linear_value_head_dim
+                )
+                dims = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+                layers.append(
+                    LayerCache(
+                        state=torch.zeros(batch, *dims, device=device),
+                        conv_tail=torch.zeros(batch, config.conv_radius, channels, device=device),
+                    )
+                )
+            else:
+                layers.append(LayerCache())
+        return cls(layers=layers, lengths=torch.zeros(batch, dtype=torch.long, device=device))
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def length(self) -> int:
+        """Committed tokens of a single-row cache."""
+        if self.batch_size != 1:
+            raise CloverError(f"length is per row: this cache holds {self.batch_size} rows (use lengths)")
+        return int(self.lengths[0])
+
+    def select(self, rows: list[int]) -> CloverCache:
+        """The cache of a subset of rows (requests leaving the batch are dropped)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
+        lengths = self.lengths[index]
+        layers = []
+        for layer in self.layers:
+            keys, values = layer.cached_kv()
+            used = int(lengths.max()) if keys is not None and len(rows) else 0
+            layers.append(
+                LayerCache(
+                    state=None if layer.state is None else layer.state[index],
+                    conv_tail=None if layer.conv_tail is None else layer.conv_tail[index],
+                    keys=None if keys is None else keys[index, :, :used],
+                    values=None if values is None else values[index, :, :used],
+                    used=used,
+                )
+            )
+        return CloverCache(layers=layers, lengths=lengths)
+
+    @classmethod
+    def concat(cls, caches: list[CloverCache]) -> CloverCache:
+        """Stack the rows of several caches (requests joining a batch); attention history is right-padded."""
+        layers = []
+        for parts in zip(*(c.layers for c in caches)):
+            first = parts[0]
+            if first.state is not None:
+                layers.append(
+                    LayerCache(
+                        state=torch.cat([p.state for p in parts]), conv_tail=torch.cat([p.conv_tail for p in parts])
+                    )
+                )
+                continue
+            filled = [p for p in parts if p.keys is not None]
+            used = max((p.used for p in parts), default=0)
+            if not filled:
+                layers.append(LayerCache())
+                continue
+            template = filled[0].keys
+            padded = []
+            for part, cache in zip(parts, caches):
+                rows = cache.batch_size
+                keys, values = part.cached_kv()
+                if keys is None:
+                    keys = values = template.new_zeros(rows, template.shape[1], 0, template.shape[3])
+                pad = (0, 0, 0, used - keys.shape[2])
+                padded.append((F.pad(keys, pad), F.pad(values, pad)))
+            layers.append(
+                LayerCache(keys=torch.cat([k for k, _ in padded]), values=torch.cat([v for _, v in padded]), used=used)
+            )
+        return cls(layers=layers, lengths=torch.cat([c.lengths for c in caches]))
+
+    def nbytes(self, kind: str) -> int:
+        """Bytes held by the layers of one kind (config.MEMORY or config.ATTENTION) for all rows."""
+        return sum(layer.nbytes() for layer in self.layers if (layer.state is not None) == (kind == MEMORY))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,11 +235,16 @@ class CloverGatedRMSNorm(CloverRMSNorm):
 
 
 def rotary(x, positions, theta: float):
-    """Rotate pairs (i, i + D/2) of x [B, T, H, D] by angles positions[T] * theta^(-2i/D)."""
+    """Rotate pairs (i, i + D/2) of x [B, T, H, D] by angles positions * theta^(-2i/D).
+
+    positions: [T] (shared by the batch) or [B, T] (rows at different offsets, as in batched decoding).
+    """
     dim = x.shape[-1]
     inv_freq = theta ** -(torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    angles = positions.float()[..., None] * inv_freq
+    if angles.dim() == 2:
+        angles = angles[None]
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -347,31 +469,57 @@ class CloverMemoryMixer(nn.Module):
 
     # -- decoding: one block against the cache --
 
-    def forward_block(self, x, cache: LayerCache, positions, commit: bool):
-        batch, n, _ = x.shape
-        proj = self.in_proj_qkv(x)
+    def forward_block(self, x, valid, cache: LayerCache, positions, lengths, commit: bool):
+        """One block per row against the cache. x [B, n, h]; valid [B, n]: row b's block is its first
+        valid positions, the rest is padding. commit=True folds the valid positions into state and tail."""
         r = self.radius
-        tail = cache.conv_tail if cache.conv_tail is not None else proj.new_zeros(batch, r, proj.shape[-1])
-        window = torch.cat([tail.to(proj.dtype), proj, proj.new_zeros(batch, r, proj.shape[-1])], dim=1)
+        # Padding rows are zero before the conv: exactly the zeros past a block's end.
+        proj = self.in_proj_qkv(x) * valid[..., None].to(x.dtype)
+        rows = torch.cat([cache.conv_tail.to(proj.dtype), proj], dim=1)
+        window = torch.cat([rows, proj.new_zeros(proj.shape[0], r, proj.shape[-1])], dim=1)
         q, k, v = self._split_heads(self._conv(window))
-        state = cache.state
-        if state is None:
-            state = torch.zeros(batch, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=x.device)
         if commit:
             log_decay, beta = self._gates(x)
-            o_mem, new_state, _, _ = chunk_gated_delta_rule(
-                q, k, v, log_decay, beta, block_sizes=[n], chunk_size=max(n, 1), initial_state=state
+            # beta = 0 and decay 1 at padding: those positions leave the state untouched.
+            log_decay, beta = log_decay.masked_fill(~valid[..., None], 0.0), beta.masked_fill(~valid[..., None], 0.0)
+            n = x.shape[1]
+            o_mem, cache.state, _, _ = chunk_gated_delta_rule(
+                q, k, v, log_decay, beta, block_sizes=[n], chunk_size=n, initial_state=cache.state
             )
-            cache.state = new_state
-            cache.conv_tail = torch.cat([tail.to(proj.dtype), proj], dim=1)[:, -r:] if r else tail
+            if r:
+                ends = valid.sum(1)[:, None] + torch.arange(r, device=x.device)  # the last r committed rows
+                cache.conv_tail = rows.gather(1, ends[..., None].expand(-1, -1, rows.shape[-1]))
         else:
-            o_mem = gated_delta_readout(q, state)
+            o_mem = gated_delta_readout(q, cache.state)
         q_r, k_r = self._rope(q, k, positions)
         temperature = self._temperature().view(1, -1, 1, 1)
         o_attn = F.scaled_dot_product_attention(
-            (q_r.transpose(1, 2) * temperature.to(q_r.dtype)), k_r.transpose(1, 2), v.transpose(1, 2), scale=1.0
+            (q_r.transpose(1, 2) * temperature.to(q_r.dtype)),
+            k_r.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=block_padding_mask(valid, 0),
+            scale=1.0,
         ).transpose(1, 2)
         return self._fuse(x, o_mem, o_attn)
+
+
+def block_padding_mask(valid, history_lengths):
+    """Attention mask [B, 1, n, T + n] for a block of n queries per row: the first lengths[b] of T cached
+    keys and the row's valid block positions. Every query may also see itself, so a padding query never
+    faces an empty row (softmax over nothing is NaN). None when nothing is masked."""
+    batch, n = valid.shape
+    if isinstance(history_lengths, int):
+        cached = history_lengths
+        history_ok = torch.ones(batch, cached, dtype=torch.bool, device=valid.device)
+    else:
+        cached = int(history_lengths.max()) if history_lengths.numel() else 0
+        history_ok = torch.arange(cached, device=valid.device)[None, :] < history_lengths[:, None]
+    keys_ok = torch.cat([history_ok, valid], dim=1)
+    if bool(keys_ok.all()):
+        return None
+    itself = torch.zeros(n, cached + n, dtype=torch.bool, device=valid.device)
+    itself[:, cached:] = torch.eye(n, dtype=torch.bool, device=valid.device)
+    return (keys_ok[:, None, :] | itself[None])[:, None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -426,26 +574,30 @@ class CloverAttention(nn.Module):
         if x_noisy is None:
             q, k, v, gate = self._project(x_clean, positions)
             if cache is not None:
-                cache.keys, cache.values = k, v
+                cache.keys, cache.values, cache.used = k, v, k.shape[2]
             return None, self._output(self._attend(q, k, v, same | earlier), gate)
         length = x_noisy.shape[1]
         q, k, v, gate = self._project(torch.cat([x_noisy, x_clean], dim=1), torch.cat([positions, positions]))
         if cache is not None:
-            cache.keys, cache.values = k[:, :, length:], v[:, :, length:]
+            cache.keys, cache.values, cache.used = k[:, :, length:], v[:, :, length:], length
         top = torch.cat([same, earlier], dim=1)  # noisy queries
         bottom = torch.cat([torch.zeros_like(same), same | earlier], dim=1)  # clean queries
         out = self._output(self._attend(q, k, v, torch.cat([top, bottom], dim=0)), gate)
         return out[:, :length], out[:, length:]
 
-    def forward_block(self, x, cache: LayerCache, positions, commit: bool):
+    def forward_block(self, x, valid, cache: LayerCache, positions, lengths, commit: bool):
+        """One block per row: it sees row b's first lengths[b] cached tokens and its own valid positions."""
         q, k, v, gate = self._project(x, positions)
-        if cache.keys is not None:
-            keys, values = torch.cat([cache.keys, k], dim=2), torch.cat([cache.values, v], dim=2)
+        cached_keys, cached_values = cache.cached_kv()
+        if cached_keys is not None:
+            keys, values = torch.cat([cached_keys, k.to(cached_keys.dtype)], dim=2), torch.cat([cached_values, v.to(cached_values.dtype)], dim=2)
+            history = lengths
         else:
-            keys, values = k, v
+            keys, values, history = k, v, 0
+        out = self._output(self._attend(q, keys.to(q.dtype), values.to(q.dtype), block_padding_mask(valid, history)), gate)
         if commit:  # only committed (clean) tokens ever enter the cache
-            cache.keys, cache.values = keys, values
-        return self._output(self._attend(q, keys, values, None), gate)
+            cache.append_kv(k, v, lengths, valid)
+        return out
 
 
 class CloverDecoderLayer(nn.Module):
@@ -481,9 +633,32 @@ class CloverDecoderLayer(nn.Module):
         h, aux = self._feed_forward(torch.cat([h_noisy + mix_noisy, h_clean + mix_clean], dim=1))
         return h[:, :length], h[:, length:], aux
 
-    def forward_block(self, h, cache: LayerCache, positions, commit: bool):
-        h = h + self.mixer.forward_block(self.input_layernorm(h), cache, positions, commit)
-        return self._feed_forward(h)[0]
+    def forward_decode(self, commit, step, cache: LayerCache, lengths, skip_commit_ffn: bool = False):
+        """The fused decoding step of one layer. `commit` and `step` are (h [B, n, hidden], valid [B, n],
+        positions [B, n]) or None. The clean block is folded into the cache first, then the block being
+        denoised reads the updated history; one MoE call serves both (routing is per token)."""
+        outputs = []
+        for part, is_commit in ((commit, True), (step, False)):
+            if part is None:
+                outputs.append(None)
+                continue
+            h, valid, positions = part
+            history = lengths if is_commit else lengths + (commit[1].sum(1) if commit is not None else 0)
+            h = h + self.mixer.forward_block(self.input_layernorm(h), valid, cache, positions, history, is_commit)
+            outputs.append((h, valid))
+        if skip_commit_ffn:  # the last layer: nothing reads the clean block's output
+            outputs[0] = None
+        live = [o for o in outputs if o is not None]
+        if live:
+            # only real positions go through the experts; padding stays as it is
+            flat = torch.cat([h[valid] for h, valid in live])
+            flat = self._feed_forward(flat[None])[0][0]
+            start = 0
+            for h, valid in live:
+                count = int(valid.sum())
+                h[valid] = flat[start : start + count].to(h.dtype)
+                start += count
+        return [None if o is None else o[0] for o in outputs]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -585,33 +760,74 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
             hidden = hidden[logits_mask]
         return CloverOutput(logits=self.lm_head(hidden), hidden_states=hidden, aux_loss=aux_total)
 
-    def prefill(self, input_ids, block_sizes: list[int], cache: CloverCache) -> None:
-        """Commit a whole prompt as clean blocks in one parallel pass (same result as block-by-block commits)."""
+    def prefill(self, input_ids, block_sizes: list[int], cache: CloverCache) -> torch.Tensor:
+        """Commit a whole prompt as clean blocks in one parallel pass (same result as block-by-block commits).
+
+        Returns the final (normed) hidden state of the last prompt token [B, hidden]."""
         self._check_ids(input_ids)
-        if cache.length:
-            raise CloverError("prefill needs an empty cache; commit further blocks with forward_block")
-        length = input_ids.shape[1]
+        if bool(cache.lengths.any()):
+            raise CloverError("prefill needs an empty cache; commit further blocks with decode")
+        batch, length = input_ids.shape
+        if batch != cache.batch_size:
+            raise CloverError(f"a prompt batch of {batch} rows against a cache of {cache.batch_size}")
         validate_block_sizes(block_sizes, length, self.config.max_block_size)
         layout = BlockLayout.build(block_sizes, self.config.max_block_size, input_ids.device)
         positions = torch.arange(length, device=input_ids.device)
         h = self.model.embed_tokens(input_ids)
         for layer, layer_cache in zip(self.model.layers, cache.layers):
             _, h, _ = layer.forward_streams(None, h, layout, positions, layer_cache)
-        cache.length = length
+        cache.lengths = torch.full_like(cache.lengths, length)
+        return self.model.norm(h[:, -1])
 
-    def forward_block(self, input_ids, cache: CloverCache, commit: bool) -> torch.Tensor:
-        """Run one block [B, n] against the cache; returns logits [B, n, V]. commit=True folds it in."""
-        self._check_ids(input_ids)
-        n = input_ids.shape[1]
-        if n > self.config.max_block_size:
-            raise CloverError(f"block size {n} is above the model's limit of {self.config.max_block_size}")
-        positions = torch.arange(cache.length, cache.length + n, device=input_ids.device)
-        h = self.model.embed_tokens(input_ids)
-        for layer, layer_cache in zip(self.model.layers, cache.layers):
-            h = layer.forward_block(h, layer_cache, positions, commit)
+    def decode(
+        self, cache: CloverCache, commit_ids=None, commit_valid=None, step_ids=None, step_valid=None, return_hidden=False
+    ):
+        """One decoding forward for a batch of rows: commit a clean block and/or run a denoising step.
+
+        commit_ids [B, nc] are folded into the cache (row b: its first commit_valid[b].sum() tokens), then
+        step_ids [B, ns] read the updated history without writing it. Both in one pass: at every layer the
+        clean block updates the cache before the new block reads it (design section 4). Returns the step's
+        logits [B, ns, V], or None without a step; with return_hidden, (logits, final normed hidden [B, ns, H]).
+        """
+        if commit_ids is None and step_ids is None:
+            raise CloverError("decode needs a block to commit or a block to denoise")
+        parts = []
+        offset = cache.lengths
+        for ids, valid in ((commit_ids, commit_valid), (step_ids, step_valid)):
+            if ids is None:
+                parts.append(None)
+                continue
+            self._check_ids(ids)
+            if ids.shape[0] != cache.batch_size:
+                raise CloverError(f"a block batch of {ids.shape[0]} rows against a cache of {cache.batch_size}")
+            if ids.shape[1] > self.config.max_block_size:
+                raise CloverError(f"block size {ids.shape[1]} is above the model's limit of {self.config.max_block_size}")
+            valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
+            positions = offset[:, None] + torch.arange(ids.shape[1], device=ids.device)
+            parts.append((self.model.embed_tokens(ids), valid, positions))
+            offset = offset + valid.sum(1)
+        commit, step = parts
+        layers = self.model.layers
+        for index, (layer, layer_cache) in enumerate(zip(layers, cache.layers)):
+            h_commit, h_step = layer.forward_decode(
+                commit, step, layer_cache, cache.lengths, skip_commit_ffn=index == len(layers) - 1
+            )
+            commit = None if commit is None else (h_commit, *commit[1:])
+            step = None if step is None else (h_step, *step[1:])
+        if commit_ids is not None:
+            cache.lengths = cache.lengths + parts[0][1].sum(1)
+        if step is None:
+            return (None, None) if return_hidden else None
+        hidden = self.model.norm(step[0])
+        logits = self.lm_head(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    def forward_block(self, input_ids, cache: CloverCache, commit: bool) -> torch.Tensor | None:
+        """Run one full block [B, n] against the cache: commit=True folds it in (returns None), else
+        returns its logits [B, n, V]."""
         if commit:
-            cache.length += n
-        return self.lm_head(self.model.norm(h))
+            return self.decode(cache, commit_ids=input_ids)
+        return self.decode(cache, step_ids=input_ids)
 
     def moe_blocks(self) -> list[CloverSparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers]

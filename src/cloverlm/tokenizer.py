@@ -108,3 +108,37 @@ def format_chat(
     )
     answer_text = "" if answer is None else answer + IM_END
     return prompt_text, answer_text
+
+
+class StopStrings:
+    """Stop strings for the token-level engine (`DecodeParams.stop`).
+
+    Called with the generated token ids after each block, it returns how many tokens to keep once the
+    decoded text contains a stop string (the fewest whose text covers everything before it), else
+    None. `cut` then trims the decoded text exactly at the first stop string.
+    """
+
+    def __init__(self, tokenizer, strings: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.strings = [s for s in strings if s]
+
+    def find(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.strings) if i >= 0]
+        return min(hits) if hits else None
+
+    def cut(self, text: str) -> str:
+        index = self.find(text)
+        return text if index is None else text[:index]
+
+    def __call__(self, tokens: list[int]) -> int | None:
+        index = self.find(self.tokenizer.decode(tokens))
+        if index is None:
+            return None
+        low, high = 0, len(tokens)  # the decoded length grows with the token count: bisect
+        while low < high:
+            middle = (low + high) // 2
+            if len(self.tokenizer.decode(tokens[:middle])) >= index:
+                high = middle
+            else:
+                low = middle + 1
+        return low

@@ -1,0 +1,346 @@
+"""The decoding engine: block-diffusion generation for a batch of requests, on token ids.
+
+Per request: the prompt is prefilled as clean blocks of the request's block size; its last partial
+block becomes the first generation block (known tokens given, the rest [MASK]). Each denoising step
+runs the block against the request's cache and unmasks positions by one of two rules:
+
+* "threshold" (Fast-dLLM): every masked position whose confidence (probability of the chosen token)
+  is at least `threshold`, and always the most confident one; after `max_steps` steps the rest at once.
+* "low_confidence" (LLaDA): a fixed number of steps per block, each unmasking its share of the
+  block's positions, most confident first.
+
+A finished block is committed in the same forward as the first step of the next block (the fused
+step of `CloverForBlockDiffusion.decode`). The last block of a request is never committed: nothing
+will read it.
+
+Continuous batching at block granularity: requests join (after their own prefill) and leave between
+forwards; the batch holds blocks of different sizes, padded, and caches of different lengths. Each
+request's result is the same as decoding it alone (greedy), tested.
+
+The engine knows nothing of tokenizers or HTTP: stop strings come in as a callable over token ids.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .diffusion import uniform_partition
+from .errors import CloverError
+from .model import CloverCache, CloverForBlockDiffusion
+
+STRATEGIES = ("threshold", "low_confidence")
+AUTO = "auto"
+
+
+@dataclass
+class DecodeParams:
+    max_new_tokens: int = 256
+    block_size: int | str = 16  # or "auto": chosen per block by the model's calibration head
+    threshold: float = 0.9
+    max_steps: int | None = None  # denoising steps per block before the rest is filled at once (None: block size)
+    strategy: str = "threshold"
+    steps: int | None = None  # low_confidence: steps per block (None: block size)
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    # Called with the generated tokens after every block; returns how many to keep when a stop
+    # (e.g. a stop string) was reached, else None.
+    stop: Callable[[list[int]], int | None] | None = None
+
+    def validate(self, max_block_size: int) -> None:
+        if self.max_new_tokens < 1:
+            raise CloverError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.block_size != AUTO and (
+            not isinstance(self.block_size, int) or not 1 <= self.block_size <= max_block_size
+        ):
+            raise CloverError(f"block size {self.block_size!r} is outside 1..{max_block_size} (the model's limit)")
+        if not 0 < self.threshold <= 1:
+            raise CloverError(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.strategy not in STRATEGIES:
+            raise CloverError(f"unknown strategy '{self.strategy}'; choose from: {', '.join(STRATEGIES)}")
+        for name in ("max_steps", "steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise CloverError(f"{name} must be at least 1, got {value}")
+        if self.temperature < 0:
+            raise CloverError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise CloverError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise CloverError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: DecodeParams = field(default_factory=DecodeParams)
+    request_id: object = None
+    # Streaming: on_step(request, block) after every denoising step (provisional; mask id where unknown),
+    # on_block(request, tokens) with the tokens that became final when a block finished.
+    on_step: Callable[[Request, list[int]], None] | None = None
+    on_block: Callable[[Request, list[int]], None] | None = None
+
+
+@dataclass
+class BlockRecord:
+    """One finished block, for fitting the block-size head: the hidden state the block started from,
+    its size, how many of its tokens were given (a prompt's leftover), and the denoising steps it took."""
+
+    hidden: torch.Tensor
+    size: int
+    known: int
+    steps: int
+
+
+@dataclass
+class Completion:
+    request_id: object
+    tokens: list[int]  # generated tokens, cut before a stop token / at a stop
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    forwards: int  # decoding forwards (a fused commit + step counts once); the prefill is not counted
+    steps: int  # denoising steps
+    blocks: int
+    block_records: list[BlockRecord] | None = None  # with Engine(record_blocks=True)
+    order: int = 0  # submission number within the engine
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.tokens) / max(self.forwards, 1)
+
+
+class _Row:
+    """A request in flight: its current block and what it has produced."""
+
+    def __init__(self, request: Request, order: int, mask_id: int):
+        self.request = request
+        self.order = order
+        self.params = request.params
+        self.mask_id = mask_id
+        self.generated: list[int] = []
+        self.pending_commit: list[int] | None = None  # the finished block, committed with the next step
+        self.forwards = self.steps = self.blocks = 0
+        self.finish_reason: str | None = None
+        self.last_hidden: torch.Tensor | None = None  # final hidden state of the last position decoded
+        self.block_records: list[BlockRecord] = []
+        seed = self.params.seed if self.params.seed is not None else random.randrange(2**63)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def start_block(self, known: list[int], block_size: int) -> None:
+        remaining = self.params.max_new_tokens - len(self.generated)
+        size = min(block_size, len(known) + remaining)
+        self.block_start_hidden = self.last_hidden
+        self.known = len(known)
+        self.block = torch.tensor(known + [self.mask_id] * (size - len(known)))
+        self.block_steps = 0
+        self.initially_masked = size - len(known)
+
+    def transfer_count(self) -> int:
+        """low_confidence: how many positions this step unmasks (the block's masks spread evenly over
+        its steps, the earlier steps taking the remainder)."""
+        steps = min(self.params.steps or len(self.block), self.initially_masked)
+        base, extra = divmod(self.initially_masked, steps)
+        return base + (1 if self.block_steps < extra else 0)
+
+
+def _choose(logits: torch.Tensor, params: DecodeParams, generator: torch.Generator):
+    """Chosen token and its probability per position, logits [n, V]."""
+    if params.temperature == 0:
+        probs = logits.softmax(-1)
+        confidence, tokens = probs.max(-1)
+        return tokens, confidence
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return tokens, probs.gather(-1, tokens[:, None])[:, 0]
+
+
+class Engine:
+    """Continuous batching of block-diffusion requests over one model.
+
+    submit() queues requests; step() admits waiting ones (prefill), runs one batched forward and returns
+    the requests that finished; run() steps until everything is done.
+    """
+
+    def __init__(
+        self, model: CloverForBlockDiffusion, max_batch_size: int = 16, calibration=None, record_blocks: bool = False
+    ):
+        """calibration: a `cloverlm.calibrate.Calibration`, needed for block_size="auto".
+        record_blocks: keep a BlockRecord per finished block in each Completion (calibration fitting)."""
+        if max_batch_size < 1:
+            raise CloverError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        self.model = model.eval()
+        self.calibration = calibration
+        self.record_blocks = record_blocks
+        self.config = model.config
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[_Row] = deque()
+        self.rows: list[_Row] = []
+        self.cache: CloverCache | None = None
+        self._submitted = 0
+        self.forwards = 0  # batched forwards run by this engine
+
+    # -- requests --
+
+    def submit(self, request: Request) -> None:
+        if not request.prompt_ids:
+            raise CloverError("empty prompt: give at least one token")
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.config.vocab_size:
+            raise CloverError(f"prompt token ids must be in 0..{self.config.vocab_size - 1}")
+        request.params.validate(self.config.max_block_size)
+        if request.params.block_size == AUTO and self.calibration is None:
+            raise CloverError('block_size="auto" needs a calibrated model: run `clover calibrate --model DIR` first')
+        self.waiting.append(_Row(request, self._submitted, self.config.mask_token_id))
+        self._submitted += 1
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.rows)
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Decode a batch of requests to the end; completions in the order given."""
+        if not requests:
+            raise CloverError("empty batch: give at least one request")
+        for request in requests:
+            self.submit(request)
+        return self.run()
+
+    def run(self) -> list[Completion]:
+        done: list[Completion] = []
+        while self.has_work():
+            done += self.step()
+        return sorted(done, key=lambda completion: completion.order)
+
+    # -- the loop --
+
+    @torch.no_grad()
+    def _admit(self) -> None:
+        joined = []
+        while self.waiting and len(self.rows) + len(joined) < self.max_batch_size:
+            row = self.waiting.popleft()
+            prompt, size = row.request.prompt_ids, row.params.block_size
+            cache = CloverCache.empty(self.config, 1)
+            if size == AUTO:
+                # the whole prompt is history; the first block's size comes from its last hidden state
+                size = self.calibration.prefill_block_size
+                partition = [size] * (len(prompt) // size) + ([len(prompt) % size] if len(prompt) % size else [])
+                row.last_hidden = self.model.prefill(torch.tensor([prompt]), partition, cache)[0]
+                row.start_block([], self.calibration.choose(row.last_hidden))
+            else:
+                committed = len(prompt) // size * size
+                if committed:
+                    hidden = self.model.prefill(torch.tensor([prompt[:committed]]), uniform_partition(committed, size), cache)
+                    row.last_hidden = hidden[0]
+                row.start_block(list(prompt[committed:]), size)
+            joined.append((row, cache))
+        if joined:
+            caches = ([self.cache] if self.rows else []) + [cache for _, cache in joined]
+            self.cache = CloverCache.concat(caches) if len(caches) > 1 else caches[0]
+            self.rows += [row for row, _ in joined]
+
+    @torch.no_grad()
+    def step(self) -> list[Completion]:
+        """Admit waiting requests, run one forward for the batch, return the requests that finished."""
+        self._admit()
+        if not self.rows:
+            return []
+        pad = self.config.mask_token_id
+        commits = [row.pending_commit or [] for row in self.rows]
+        commit_ids = commit_valid = None
+        if any(commits):
+            commit_ids, commit_valid = _pad([torch.tensor(c, dtype=torch.long) for c in commits], pad)
+        step_ids, step_valid = _pad([row.block for row in self.rows], pad)
+        logits, hidden = self.model.decode(self.cache, commit_ids, commit_valid, step_ids, step_valid, return_hidden=True)
+        logits = logits.float()
+        logits[..., self.config.mask_token_id] = float("-inf")  # never "unmask" to [MASK]
+        self.forwards += 1
+        finished, keep = [], []
+        for index, row in enumerate(self.rows):
+            row.pending_commit = None
+            row.forwards += 1
+            row.last_hidden = hidden[index, len(row.block) - 1].float()
+            self._denoise(row, logits[index, : len(row.block)])
+            if row.finish_reason is None:
+                keep.append(index)
+            else:
+                completion = Completion(
+                    row.request.request_id, row.generated, row.finish_reason, len(row.request.prompt_ids),
+                    row.forwards, row.steps, row.blocks, row.block_records if self.record_blocks else None, row.order,
+                )
+                finished.append(completion)
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            self.cache = self.cache.select(keep) if keep else None
+        return finished
+
+    def _denoise(self, row: _Row, logits: torch.Tensor) -> None:
+        params = row.params
+        masked = row.block == row.mask_id
+        tokens, confidence = _choose(logits, params, row.generator)
+        confidence = torch.where(masked, confidence, torch.full_like(confidence, -1.0))
+        if params.strategy == "threshold":
+            accept = masked & (confidence >= params.threshold)
+            accept[confidence.argmax()] = True
+            if row.block_steps + 1 >= (params.max_steps or len(row.block)):
+                accept = masked
+        else:
+            accept = torch.zeros_like(masked)
+            accept[confidence.topk(min(row.transfer_count(), int(masked.sum()))).indices] = True
+        row.block_steps += 1
+        row.steps += 1
+        row.block = torch.where(accept, tokens, row.block)
+        if row.request.on_step is not None:
+            row.request.on_step(row.request, row.block.tolist())
+        if not bool((row.block == row.mask_id).any()):
+            self._finish_block(row)
+
+    def _finish_block(self, row: _Row) -> None:
+        params = row.params
+        row.blocks += 1
+        if self.record_blocks and row.block_start_hidden is not None:
+            row.block_records.append(BlockRecord(row.block_start_hidden, len(row.block), row.known, row.block_steps))
+        stops = set(params.stop_token_ids) | {self.config.eos_token_id}
+        before = len(row.generated)
+        for token in row.block[row.known :].tolist():
+            if token in stops:
+                row.finish_reason = "stop"
+                break
+            row.generated.append(token)
+        if row.finish_reason is None and params.stop is not None:
+            keep = params.stop(row.generated)
+            if keep is not None:
+                del row.generated[keep:]
+                row.finish_reason = "stop"
+        if row.finish_reason is None and len(row.generated) >= params.max_new_tokens:
+            row.finish_reason = "length"
+        if row.request.on_block is not None and len(row.generated) > before:
+            row.request.on_block(row.request, row.generated[before:])
+        if row.finish_reason is None:
+            row.pending_commit = row.block.tolist()
+            size = self.calibration.choose(row.last_hidden) if params.block_size == AUTO else params.block_size
+            row.start_block([], size)
+
+
+def _pad(blocks: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D blocks into [B, n] ids and a validity mask."""
+    width = max(len(b) for b in blocks)
+    ids = torch.full((len(blocks), width), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(blocks), width, dtype=torch.bool)
+    for i, block in enumerate(blocks):
+        ids[i, : len(block)] = block
+        valid[i, : len(block)] = True
+    return ids, valid

@@ -1,0 +1,72 @@
+"""Block-size calibration: the head's fit, the choice rule, save/load, and block_size="auto" end to end."""
+
+import math
+
+import pytest
+import torch
+
+from cloverlm import CloverError
+from cloverlm.calibrate import Calibration, calibrate, fit_head, load_calibration
+from cloverlm.engine import BlockRecord, DecodeParams, Engine, Request
+from cloverlm.tokenizer import load_tokenizer
+from conftest import tiny_model
+
+
+def test_fit_recovers_steps_that_depend_on_the_hidden_state():
+    torch.manual_seed(0)
+    hidden = torch.randn(200, 8)
+    # size 8 takes 2 steps where feature 0 is positive (an easy context) and 8 where it is not
+    records = {
+        1: [BlockRecord(h, 1, 0, 1) for h in hidden],
+        8: [BlockRecord(h, 8, 0, 2 if h[0] > 0 else 8) for h in hidden],
+    }
+    weight, bias, fit = fit_head(records, 8, ridge=1e-3)
+    calibration = Calibration([1, 8], 0.9, [1.0, 1.5], weight, bias)
+    easy, hard = torch.zeros(8), torch.zeros(8)
+    easy[0], hard[0] = 2.0, -2.0
+    assert calibration.predicted_steps(easy)[0] == pytest.approx(1.0)
+    assert calibration.predicted_steps(easy)[1] < calibration.predicted_steps(hard)[1]
+    # 8 tokens in ~2 steps of 1.5 ms beats 1 token per 1 ms; 8 steps of 1.5 ms does not
+    assert calibration.choose(easy) == 8 and calibration.choose(hard) == 1
+    assert fit[8]["blocks"] == 200 and fit[1]["rmse_log_steps"] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_unobserved_sizes_are_assumed_sequential():
+    weight, bias, fit = fit_head({4: [], 1: [BlockRecord(torch.ones(3), 1, 0, 1)]}, 3)
+    calibration = Calibration([4, 1], 0.9, [1.0, 1.0], weight, bias)
+    assert calibration.predicted_steps(torch.randn(3))[0] == pytest.approx(4.0)
+    assert fit[4] == {"blocks": 0}
+
+
+def test_auto_needs_a_calibration():
+    with pytest.raises(CloverError, match='block_size="auto" needs a calibrated model'):
+        Engine(tiny_model()).submit(Request([5, 6], DecodeParams(block_size="auto")))
+
+
+@pytest.fixture(scope="module")
+def shipped_tokenizer():
+    return load_tokenizer("models/clover-tiny")
+
+
+def test_calibrate_end_to_end(tmp_path, shipped_tokenizer):
+    model = tiny_model(vocab_size=len(shipped_tokenizer))
+    calibration, report = calibrate(model, shipped_tokenizer, fit_prompts=4, eval_prompts=2, max_new_tokens=12, sizes=(1, 4, 8))
+    assert [row["block_size"] for row in report["evaluation"]] == [1, 4, 8, "auto"]
+    assert all(row["tpf"] > 0 and 0 <= row["accuracy"] <= 1 for row in report["evaluation"])
+    assert report["fit"][1]["mean_steps"] == 1.0 and report["fit"][8]["blocks"] > 0
+    assert len(calibration.forward_ms) == 3 and min(calibration.forward_ms) > 0
+    calibration.save(tmp_path, extra=report)
+    loaded = load_calibration(tmp_path)
+    probe = torch.randn(model.config.hidden_size)
+    assert loaded.choose(probe) == calibration.choose(probe)
+    torch.testing.assert_close(loaded.predicted_steps(probe), calibration.predicted_steps(probe))
+    assert load_calibration(tmp_path / "nothing") is None
+
+    sizes = []
+    request = Request(list(range(3, 40)), DecodeParams(max_new_tokens=30, block_size="auto"))
+    engine = Engine(model, calibration=loaded, record_blocks=True)
+    [completion] = engine.generate([request])
+    sizes = [record.size for record in completion.block_records]
+    assert len(completion.tokens) == 30 and sum(sizes) == 30
+    assert set(sizes[:-1]) <= {1, 4, 8} and all(record.known == 0 for record in completion.block_records)
+    assert math.isclose(completion.tokens_per_forward, 30 / completion.forwards)

@@ -1,0 +1,239 @@
+"""The decoding engine: invariants 3 (fused commit + step), 4 (batched == alone), 5 (block size 1 ==
+greedy next-token decoding), the constant-size memory cache, stops, streaming, joining a running
+batch, and clear errors for bad input."""
+
+import pytest
+import torch
+
+from cloverlm import CloverCache, CloverError
+from cloverlm.config import ATTENTION, MEMORY
+from cloverlm.engine import DecodeParams, Engine, Request
+from conftest import tiny_model
+
+MASK = 2
+
+
+def prompt(length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (length,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-memory"])
+def test_fused_commit_and_step_equals_commit_then_step(preset):
+    """Invariant 3, for a batch whose rows commit blocks of different sizes (one row commits nothing)
+    and then denoise blocks of different sizes against caches of different lengths."""
+    model = tiny_model(preset)
+    lengths = [24, 9, 16]
+    commit_sizes, step_sizes = [5, 0, 8], [4, 7, 2]
+
+    def fresh():
+        caches = []
+        for i, length in enumerate(lengths):
+            cache = CloverCache.empty(model.config)
+            model.prefill(torch.tensor([prompt(length, i)]), [length], cache)
+            caches.append(cache)
+        return CloverCache.concat(caches)
+
+    def blocks(sizes, seed, fill=None):
+        ids = torch.full((3, max(sizes)), MASK)
+        valid = torch.zeros(3, max(sizes), dtype=torch.bool)
+        for row, size in enumerate(sizes):
+            ids[row, :size] = torch.tensor(prompt(size, seed + row)) if fill is None else fill
+            valid[row, :size] = True
+        return ids, valid
+
+    commit_ids, commit_valid = blocks(commit_sizes, 10)
+    step_ids, step_valid = blocks(step_sizes, 20)
+    step_ids[0, 1] = step_ids[1, 3] = MASK
+    with torch.no_grad():
+        fused_cache = fresh()
+        fused = model.decode(fused_cache, commit_ids, commit_valid, step_ids, step_valid)
+        separate_cache = fresh()
+        model.decode(separate_cache, commit_ids=commit_ids, commit_valid=commit_valid)
+        separate = model.decode(separate_cache, step_ids=step_ids, step_valid=step_valid)
+    assert fused_cache.lengths.tolist() == separate_cache.lengths.tolist() == [29, 9, 24]
+    torch.testing.assert_close(fused[step_valid], separate[step_valid], atol=1e-5, rtol=1e-5)
+
+
+def test_batched_rows_equal_each_row_alone():
+    """A padded batch gives each row the logits it gets alone (the model-level half of invariant 4)."""
+    model = tiny_model()
+    lengths, sizes = [30, 7], [3, 6]
+    with torch.no_grad():
+        alone = []
+        caches = []
+        for i, (length, size) in enumerate(zip(lengths, sizes)):
+            cache = CloverCache.empty(model.config)
+            model.prefill(torch.tensor([prompt(length, i)]), [length], cache)
+            caches.append(cache)
+            single = CloverCache.concat([cache])
+            alone.append(model.decode(single, step_ids=torch.tensor([prompt(size, 5 + i)]))[0])
+        ids = torch.full((2, 6), MASK)
+        valid = torch.zeros(2, 6, dtype=torch.bool)
+        for i, size in enumerate(sizes):
+            ids[i, :size] = torch.tensor(prompt(size, 5 + i))
+            valid[i, :size] = True
+        batched = model.decode(CloverCache.concat(caches), step_ids=ids, step_valid=valid)
+    for i, size in enumerate(sizes):
+        torch.testing.assert_close(batched[i, :size], alone[i], atol=1e-5, rtol=1e-5)
+
+
+def greedy_next_token(model, ids, count):
+    """Reference decoder: next-token argmax through the parallel training forward (block size 1)."""
+    seq = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(count):
+            clean = torch.tensor([seq + [MASK]])
+            noisy = torch.tensor([seq + [MASK]])
+            logits = model(clean, noisy, [1] * len(clean[0])).logits[0, -1]
+            logits[MASK] = float("-inf")
+            token = int(logits.argmax())
+            if token == model.config.eos_token_id:
+                break
+            out.append(token)
+            seq.append(token)
+    return out
+
+
+@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-memory"])
+def test_block_size_one_is_greedy_next_token_decoding(preset):
+    """Invariant 5."""
+    model = tiny_model(preset)
+    ids = prompt(13)
+    [completion] = Engine(model).generate([Request(ids, DecodeParams(max_new_tokens=12, block_size=1))])
+    assert completion.tokens == greedy_next_token(model, ids, 12)
+    assert completion.steps == completion.forwards == len(completion.tokens)
+
+
+def test_batch_decodes_as_each_request_alone():
+    """Invariant 4: different prompt lengths, block sizes, thresholds and strategies in one batch."""
+    model = tiny_model()
+    requests = [
+        (prompt(21, 1), DecodeParams(max_new_tokens=20, block_size=8, threshold=0.3)),
+        (prompt(5, 2), DecodeParams(max_new_tokens=17, block_size=4, threshold=1.0)),
+        (prompt(40, 3), DecodeParams(max_new_tokens=9, block_size=1)),
+        (prompt(16, 4), DecodeParams(max_new_tokens=24, block_size=16, strategy="low_confidence", steps=4)),
+        (prompt(11, 5), DecodeParams(max_new_tokens=12, block_size=6, temperature=0.8, top_p=0.9, seed=7)),
+    ]
+    alone = [Engine(model).generate([Request(ids, params)])[0].tokens for ids, params in requests]
+    together = Engine(model).generate([Request(ids, params) for ids, params in requests])
+    assert [c.tokens for c in together] == alone
+    assert len(alone[0]) == 20 and len(alone[1]) == 17
+
+
+def test_a_request_joining_a_running_batch_gets_the_same_tokens():
+    model = tiny_model()
+    late = (prompt(19, 9), DecodeParams(max_new_tokens=14, block_size=4, threshold=0.5))
+    [expected] = Engine(model).generate([Request(*late)])
+    engine = Engine(model)
+    engine.submit(Request(prompt(33, 8), DecodeParams(max_new_tokens=30, block_size=8), request_id="early"))
+    for _ in range(5):
+        assert engine.step() == []
+    engine.submit(Request(*late, request_id="late"))
+    finished = {c.request_id: c for c in engine.run()}
+    assert finished["late"].tokens == expected.tokens
+    assert len(finished["early"].tokens) == 30
+
+
+def test_threshold_one_unmasks_one_per_step_and_low_threshold_goes_parallel():
+    model = tiny_model()
+    ids = prompt(8)  # a whole block: generation starts on a fresh block
+    [serial] = Engine(model).generate([Request(ids, DecodeParams(max_new_tokens=16, block_size=8, threshold=1.0))])
+    assert serial.steps == 16 and serial.forwards == 16
+    [parallel] = Engine(model).generate(
+        [Request(ids, DecodeParams(max_new_tokens=16, block_size=8, threshold=1e-6))]
+    )
+    assert parallel.steps == 2 and parallel.tokens_per_forward == 8.0
+    [capped] = Engine(model).generate([Request(ids, DecodeParams(max_new_tokens=16, block_size=8, threshold=1.0, max_steps=3))])
+    assert capped.steps == 6
+
+
+def test_low_confidence_uses_the_fixed_number_of_steps():
+    model = tiny_model()
+    params = DecodeParams(max_new_tokens=32, block_size=16, strategy="low_confidence", steps=5)
+    [completion] = Engine(model).generate([Request(prompt(16), params)])
+    assert completion.blocks == 2 and completion.steps == 10
+
+
+def test_memory_cache_is_constant_and_attention_cache_grows_linearly():
+    model = tiny_model()
+    sizes = {}
+    with torch.no_grad():
+        for length in (100, 10_000):
+            cache = CloverCache.empty(model.config)
+            model.prefill(torch.tensor([prompt(length)]), [50] * (length // 50), cache)
+            model.decode(cache, commit_ids=torch.tensor([prompt(16, 1)]))
+            sizes[length] = (cache.nbytes(MEMORY), cache.nbytes(ATTENTION))
+    assert sizes[100][0] == sizes[10_000][0] > 0
+    assert sizes[10_000][1] / sizes[100][1] == pytest.approx(10_016 / 116)
+
+
+def test_stop_token_and_stop_callable_cut_exactly():
+    model = tiny_model()
+    ids = prompt(12)
+    [free] = Engine(model).generate([Request(ids, DecodeParams(max_new_tokens=24, block_size=4))])
+    cut_at = 9
+    stop_token = free.tokens[cut_at]
+    first = free.tokens.index(stop_token)
+    [stopped] = Engine(model).generate(
+        [Request(ids, DecodeParams(max_new_tokens=24, block_size=4, stop_token_ids=(stop_token,)))]
+    )
+    assert stopped.tokens == free.tokens[:first] and stopped.finish_reason == "stop"
+    seen = []
+
+    def stop(tokens):
+        seen.append(len(tokens))
+        return 6 if len(tokens) >= 8 else None
+
+    [callable_stop] = Engine(model).generate([Request(ids, DecodeParams(max_new_tokens=24, block_size=4, stop=stop))])
+    assert callable_stop.tokens == free.tokens[:6] and callable_stop.finish_reason == "stop"
+    assert seen == [4, 8]
+    assert free.finish_reason == "length"
+
+
+def test_streaming_callbacks():
+    model = tiny_model()
+    blocks, steps = [], []
+    request = Request(
+        prompt(10),
+        DecodeParams(max_new_tokens=10, block_size=4, threshold=0.5),
+        on_step=lambda r, block: steps.append(block),
+        on_block=lambda r, tokens: blocks.append(tokens),
+    )
+    [completion] = Engine(model).generate([request])
+    assert sum(blocks, []) == completion.tokens
+    assert [len(b) for b in blocks] == [2, 4, 4]  # the prompt's 2 leftover tokens open the first block
+    assert len(steps) == completion.steps and MASK not in steps[-1]
+
+
+def test_sampling_is_seeded():
+    model = tiny_model()
+    params = dict(max_new_tokens=12, block_size=4, temperature=1.0, top_k=20)
+    runs = [Engine(model).generate([Request(prompt(8), DecodeParams(**params, seed=s))])[0].tokens for s in (1, 1, 2)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be at least 1"),
+        (dict(max_new_tokens=-3), "max_new_tokens must be at least 1"),
+        (dict(threshold=0.0), "threshold must be in (0, 1]"),
+        (dict(threshold=1.5), "threshold must be in (0, 1]"),
+        (dict(block_size=65), "block size 65 is outside 1..64"),
+        (dict(strategy="greedy"), "unknown strategy 'greedy'"),
+        (dict(top_p=0.0), "top_p must be in (0, 1]"),
+    ],
+)
+def test_bad_parameters_get_a_clear_error(params, message):
+    with pytest.raises(CloverError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        Engine(tiny_model()).submit(Request(prompt(4), DecodeParams(**params)))
+
+
+def test_empty_batch_and_empty_prompt_get_a_clear_error():
+    engine = Engine(tiny_model())
+    with pytest.raises(CloverError, match="empty batch"):
+        engine.generate([])
+    with pytest.raises(CloverError, match="empty prompt"):
+        engine.submit(Request([]))
