@@ -1,0 +1,217 @@
+"""`clover bench`: the report's shape and arithmetic, the plots, the CLI, on tiny random models."""
+
+import dataclasses
+import json
+import statistics
+import struct
+
+import pytest
+import torch
+
+from cloverlm import CloverError, preset_config, tasks
+from cloverlm.bench import (
+    BenchModels,
+    BenchOptions,
+    accuracy,
+    bench_block_sizes,
+    parse_context,
+    run_bench,
+    spread_prompts,
+    write_report,
+)
+from cloverlm.calibrate import Calibration
+from cloverlm.checkpoint import save_model
+from cloverlm.cli import main
+from cloverlm.data import heldout_examples
+from cloverlm.peer import build_peer, peer_config, save_peer
+from cloverlm.tokenizer import train_tokenizer
+from conftest import TINY, tiny_model
+
+VOCAB = 512
+TASK_FIELDS = {"clover", "peer", "speedup"}
+CLOVER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s", "tpf"}
+PEER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s"}
+CONTEXT_FIELDS = {"context", "clover_block_ms", "memory_only_block_ms", "block_tokens", "peer_token_ms", "speedup"}
+# short answers keep a run of the bench on tiny models to a few seconds
+OPTIONS = BenchOptions(
+    tasks=("arithmetic", "kv_retrieval"),
+    prompts=3,
+    repeats=2,
+    contexts=(64, 128),
+    timed_forwards=3,
+    sweep_task="arithmetic",
+    sweep_prompts=2,
+    sweep_block_sizes=(4, 16),
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = [tasks.generate(name, seed).prompt + "\n" + tasks.generate(name, seed).answer for name in tasks.TASKS for seed in range(30)]
+    return train_tokenizer(texts, vocab_size=VOCAB)
+
+
+def tiny_peer():
+    torch.manual_seed(0)
+    model = build_peer(peer_config(preset_config("clover-tiny", **{**TINY, "vocab_size": VOCAB}))).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tokenizer):
+    torch.set_num_threads(1)
+    return BenchModels(
+        clover=tiny_model(vocab_size=VOCAB),
+        memory_only=tiny_model("clover-tiny-memory", vocab_size=VOCAB),
+        peer=tiny_peer(),
+        tokenizer=tokenizer,
+        folders={"clover": "tiny", "memory_only": "tiny-memory", "peer": "tiny-peer"},
+    )
+
+
+@pytest.fixture(scope="module")
+def report(models):
+    return run_bench(models, OPTIONS)
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
+    assert set(report) == {"tasks", "median_exec_s", "context_scaling", "block_sizes", "meta"}
+    assert list(report["tasks"]) == ["arithmetic", "kv_retrieval"]
+    for entry in report["tasks"].values():
+        assert set(entry) == TASK_FIELDS
+        assert set(entry["clover"]) == CLOVER_FIELDS and set(entry["peer"]) == PEER_FIELDS
+        for model in ("clover", "peer"):
+            assert 0 <= entry[model]["accuracy"] <= 1
+            assert entry[model]["wall_s_median"] > 0 and entry[model]["tokens_per_s"] > 0
+        assert 0 < entry["clover"]["tpf"] <= OPTIONS.block_size
+        assert entry["speedup"] == pytest.approx(entry["peer"]["wall_s_median"] / entry["clover"]["wall_s_median"], rel=1e-2)
+    assert set(report["median_exec_s"]) == {"clover", "peer"}
+    assert all(seconds > 0 for seconds in report["median_exec_s"].values())
+
+    assert [row["context"] for row in report["context_scaling"]] == [64, 128]
+    tpfs = [entry["clover"]["tpf"] for entry in report["tasks"].values()]
+    for row in report["context_scaling"]:
+        assert set(row) == CONTEXT_FIELDS
+        assert row["clover_block_ms"] > 0 and row["memory_only_block_ms"] > 0 and row["peer_token_ms"] > 0
+        # the TPF over all task requests: between the tasks' TPFs (up to their rounding)
+        assert min(tpfs) - 1e-3 <= row["block_tokens"] <= max(tpfs) + 1e-3
+        expected = row["peer_token_ms"] * row["block_tokens"] / row["clover_block_ms"]
+        assert row["speedup"] == pytest.approx(expected, rel=1e-2)
+
+    assert [row["block_size"] for row in report["block_sizes"]] == [4, 16]
+    for row in report["block_sizes"]:
+        assert set(row) == {"block_size", "tpf", "accuracy"}
+        assert 0 < row["tpf"] <= row["block_size"] and 0 <= row["accuracy"] <= 1
+    meta = report["meta"]
+    assert meta["repeats"] == 2 and meta["torch_threads"] == 1 and meta["dtype"] == "float32"
+    assert meta["models"]["peer"] == "tiny-peer"
+
+
+def test_write_report_writes_the_json_and_three_plots(report, tmp_path):
+    paths = write_report(report, tmp_path / "out" / "bench.json")
+    names = ["bench.json", "bench_tasks.png", "bench_context.png", "bench_block_sizes.png"]
+    assert [path.name for path in paths] == names
+    assert json.loads(paths[0].read_text()) == report
+    for path in paths[1:]:
+        width, height = png_size(path)
+        assert width >= 600 and height >= 400
+        assert path.stat().st_size > 10_000  # axes, bars, labels: not a blank canvas
+
+
+def test_without_a_peer_its_fields_are_null(models, tmp_path):
+    options = BenchOptions(
+        tasks=("arithmetic",), prompts=1, repeats=1, contexts=(64,), timed_forwards=1,
+        sweep_task="arithmetic", sweep_prompts=1, sweep_block_sizes=(8,),
+    )  # fmt: skip
+    clover_only = BenchModels(models.clover, models.memory_only, None, models.tokenizer, {"clover": "tiny"})
+    report = run_bench(clover_only, options)
+    entry = report["tasks"]["arithmetic"]
+    assert entry["peer"] == dict.fromkeys(PEER_FIELDS) and entry["speedup"] is None
+    assert set(entry["clover"]) == CLOVER_FIELDS and entry["clover"]["wall_s_median"] > 0
+    assert report["median_exec_s"]["peer"] is None and report["median_exec_s"]["clover"] > 0
+    (row,) = report["context_scaling"]
+    assert row["peer_token_ms"] is None and row["speedup"] is None and row["clover_block_ms"] > 0
+    for path in write_report(report, tmp_path / "bench.json")[1:]:
+        assert png_size(path)[0] >= 600
+
+
+def test_block_size_sweep_adds_auto_for_a_calibrated_model(models, report, tmp_path):
+    assert "auto" not in [row["block_size"] for row in report["block_sizes"]]  # no calibration
+    hidden = models.clover.config.hidden_size
+    # a head predicting one step at every size: auto takes the size fastest per token (16)
+    calibration = Calibration(
+        block_sizes=[4, 16], threshold=0.9, forward_ms=[1.0, 2.0], weight=torch.zeros(2, hidden), bias=torch.zeros(2)
+    )
+    rows = bench_block_sizes(dataclasses.replace(models, calibration=calibration), OPTIONS)
+    assert [row["block_size"] for row in rows] == [4, 16, "auto"]
+    assert 0 < rows[-1]["tpf"] <= 16 and 0 <= rows[-1]["accuracy"] <= 1
+    path = write_report({**report, "block_sizes": rows}, tmp_path / "auto.json")[3]
+    assert png_size(path)[0] >= 600
+
+
+def test_accuracy_uses_each_tasks_checker_field(tokenizer):
+    for task in ("no_fly_zones", "arithmetic"):
+        (example,) = heldout_examples(tokenizer, task, 1, 1 << 30)
+        answer = example.ids[example.prompt_length : -2]  # without <|im_end|> and end of text
+        assert accuracy(task, example, answer, tokenizer) == 1.0
+        assert accuracy(task, example, tokenizer("nothing useful")["input_ids"], tokenizer) == 0.0
+    # no_fly_zones counts zones: dropping the last zone of the list keeps the others right
+    (example,) = heldout_examples(tokenizer, "no_fly_zones", 1, 1 << 30)
+    zones = json.loads(example.example.answer)
+    partial = tokenizer(json.dumps(zones[:-1]))["input_ids"]
+    score = accuracy("no_fly_zones", example, partial, tokenizer)
+    assert score == pytest.approx((len(zones) - 1) / len(zones))
+
+
+def test_spread_parse_and_option_errors():
+    assert spread_prompts(49, 4) == [13, 12, 12, 12] and sum(spread_prompts(49, 4)) == 49
+    assert spread_prompts(4, 4) == [1, 1, 1, 1]
+    assert [parse_context(text) for text in ("1k", "64K", "300")] == [1024, 65536, 300]
+    for bad in ("", "k", "-4k", "4m", "0"):
+        with pytest.raises(CloverError, match="positive token count"):
+            parse_context(bad)
+    with pytest.raises(CloverError, match="cannot cover 4 tasks"):
+        BenchOptions(prompts=3).validate()
+    assert BenchOptions.quick(repeats=2).repeats == 2 and BenchOptions.quick().contexts == (1024, 4096)
+
+
+def test_cli_without_a_peer_folder_says_how_to_train_one(tmp_path, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", "--peer", str(tmp_path / "missing")])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: no peer model at {tmp_path / 'missing'}") and error.count("\n") == 1
+    assert "clover train --arch qwen3.5-moe" in error and "--no-peer" in error
+
+
+@pytest.mark.slow
+def test_cli_quick_run_on_saved_tiny_models(models, tokenizer, tmp_path, capsys):
+    save_model(models.clover, tokenizer, tmp_path / "clover")
+    save_model(models.memory_only, tokenizer, tmp_path / "memory")
+    save_peer(models.peer, tokenizer, tmp_path / "peer")
+    main([
+        "bench", "--model", str(tmp_path / "clover"), "--memory-model", str(tmp_path / "memory"),
+        "--peer", str(tmp_path / "peer"), "--quick", "--contexts", "64", "128", "--threads", "1",
+        "--json", str(tmp_path / "report" / "quick.json"),
+    ])  # fmt: skip
+    report = json.loads((tmp_path / "report" / "quick.json").read_text())
+    assert list(report["tasks"]) == ["no_fly_zones", "tool_call", "kv_retrieval", "arithmetic"]
+    assert report["meta"]["repeats"] == 1 and report["meta"]["prompts"] == 4
+    assert [row["block_size"] for row in report["block_sizes"]] == [4, 16, 64]
+    walls = [entry[model]["wall_s_median"] for entry in report["tasks"].values() for model in ("clover", "peer")]
+    assert all(wall > 0 for wall in walls)
+    # one prompt per task: the median over requests is the median of the per-task walls
+    for model in ("clover", "peer"):
+        per_task = [entry[model]["wall_s_median"] for entry in report["tasks"].values()]
+        assert report["median_exec_s"][model] == pytest.approx(statistics.median(per_task), rel=1e-3)
+    for suffix in ("tasks", "context", "block_sizes"):
+        assert (tmp_path / "report" / f"quick_{suffix}.png").stat().st_size > 10_000
