@@ -28,7 +28,7 @@ def examples() -> dict[str, list[Example]]:
 
 
 def test_registry():
-    assert set(TASKS) == {"no_fly_zones", "tool_call", "kv_retrieval", "arithmetic"}
+    assert set(TASKS) == {"no_fly_zones", "tool_call", "kv_retrieval", "arithmetic", "repeat"}
     assert get_task("kv_retrieval").name == "kv_retrieval"
     with pytest.raises(ValueError, match="unknown task 'x'; choose from: no_fly_zones"):
         get_task("x")

@@ -62,34 +62,35 @@ class Recipe:
 
 
 RECIPES = {
-    # Design section 3: next-token warm-up until the model copies, then widen 1 -> 4 -> 16 -> 32,
-    # always keeping some pure B = 1 batches. Task-heavy, answer-only loss on task rows from the start:
-    # on a CPU budget the copy skill is what is scarce, and random digits in prompts are pure noise
-    # to a language-model loss. (A first run with whole-document loss in the warm-up, 20% stdlib and
-    # 4-20 messages per prompt never reached the copy threshold in 758 steps: see models/README.md.)
+    # Design section 3: next-token warm-up until the model copies, then widen 1 -> 4 -> 16 -> 32, always
+    # keeping some pure B = 1 batches. Answer-only loss on task rows (random digits in prompts are pure
+    # noise to a language-model loss). Copying is the scarce skill on a CPU budget, so the mixture is
+    # built for it: short prompts (1-8 messages, 4-30 pairs) pack many copy events into each step, and
+    # the `repeat` task trains copying on its own. Measured here: a whole-length mixture (2-20 messages,
+    # 2,368-token rows) had not started copying after 875 next-token steps (models/README.md), while
+    # the model copies repeated sequences within 100 steps when they are all it sees.
     "default": Recipe(
-        mixture={"stdlib": 0.15, "no_fly_zones": 0.5, "kv_retrieval": 0.2, "tool_call": 0.1, "arithmetic": 0.05},
+        mixture={
+            "stdlib": 0.1,
+            "repeat": 0.2,
+            "no_fly_zones": 0.35,
+            "kv_retrieval": 0.2,
+            "tool_call": 0.1,
+            "arithmetic": 0.05,
+        },
         stages=[
             Stage([1], 1.0, chat_mode=True),
             Stage([1, 4], 0.3, chat_mode=True),
             Stage([1, 4, 8, 16], 0.25, chat_mode=True),
             Stage([1, 4, 8, 16, 32], 0.25, chat_mode=True),
         ],
+        copy_threshold=0.8,
         warmup_max_fraction=0.6,
-        # Fewer messages per prompt pack more copy events into each CPU-second.
-        task_sizes={"no_fly_zones": {"n_messages": (2, 20)}, "kv_retrieval": {"n_pairs": (5, 60)}},
-    ),
-    # Continue a `default` model (--init-from) on copy-heavy data: shorter prompts, longer next-token
-    # phase, since copying is the skill the default budget did not reach.
-    "copy-focus": Recipe(
-        mixture={"stdlib": 0.1, "no_fly_zones": 0.45, "kv_retrieval": 0.35, "tool_call": 0.1},
-        stages=[
-            Stage([1], 1.0, chat_mode=True),
-            Stage([1, 4, 8, 16], 0.3, chat_mode=True),
-            Stage([1, 4, 8, 16, 32], 0.3, chat_mode=True),
-        ],
-        warmup_max_fraction=0.7,
-        task_sizes={"no_fly_zones": {"n_messages": (2, 12)}, "kv_retrieval": {"n_pairs": (5, 30)}},
+        task_sizes={
+            "no_fly_zones": {"n_messages": (1, 8)},
+            "kv_retrieval": {"n_pairs": (4, 30)},
+            "repeat": {"n_items": (2, 16)},
+        },
     ),
 }
 
@@ -101,7 +102,7 @@ class TrainConfig:
     arch: str = "clover"  # or "qwen3.5-moe": the same-size autoregressive peer (see ARCHS)
     out: str = "runs/clover-tiny"
     seed: int = 0
-    seq_len: int = 2368
+    seq_len: int = 1024
     batch_size: int = 2
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -186,7 +187,12 @@ class Evaluator:
         # Full-size prompts when the context allows, fewer messages / pairs when it does not.
         self.probe = {
             task: fitting_examples(tokenizer, task, cfg.probe_examples, cfg.seq_len, key, full)
-            for task, key, full in (("no_fly_zones", "n_messages", 20), ("kv_retrieval", "n_pairs", 60), ("tool_call", None, 0))
+            for task, key, full in (
+                ("no_fly_zones", "n_messages", 20),
+                ("kv_retrieval", "n_pairs", 60),
+                ("tool_call", None, 0),
+                ("repeat", "n_items", 8),
+            )
         }
 
     def __call__(self, model, autocast) -> dict[str, float]:

@@ -8,11 +8,12 @@ from cloverlm.tasks.arithmetic import Arithmetic
 from cloverlm.tasks.base import Example, Task
 from cloverlm.tasks.kv_retrieval import KVRetrieval
 from cloverlm.tasks.no_fly_zones import NoFlyZones, parse_zones
+from cloverlm.tasks.repeat import Repeat
 from cloverlm.tasks.tool_call import ToolCall, parse_tool_call
 
 __all__ = ["TASKS", "Example", "Task", "generate", "get_task", "parse_tool_call", "parse_zones"]
 
-TASKS: dict[str, Task] = {t.name: t for t in (NoFlyZones(), ToolCall(), KVRetrieval(), Arithmetic())}
+TASKS: dict[str, Task] = {t.name: t for t in (NoFlyZones(), ToolCall(), KVRetrieval(), Arithmetic(), Repeat())}
 
 
 def get_task(name: str) -> Task:

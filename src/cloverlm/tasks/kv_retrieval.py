@@ -4,7 +4,7 @@ import random
 
 from cloverlm.tasks.base import Example, dumps, mean, parse_json, same, spans_of
 
-_WORDS = (
+WORDS = (
     "amber",
     "basil",
     "cobalt",
@@ -45,7 +45,7 @@ class KVRetrieval:
         rng = random.Random(seed)
         keys = [f"k-{n:06x}" for n in rng.sample(range(16**6), n_pairs)]
         values = [
-            rng.choice(_WORDS) if rng.random() < 0.5 else str(rng.randint(100000, 999999)) for _ in keys
+            rng.choice(WORDS) if rng.random() < 0.5 else str(rng.randint(100000, 999999)) for _ in keys
         ]
         queried = rng.sample(range(n_pairs), n_queries or rng.randint(1, min(3, n_pairs)))
         truth = {keys[i]: values[i] for i in queried}
