@@ -14,7 +14,7 @@ $(VENV_STAMP): pyproject.toml
 venv: $(VENV_STAMP)
 
 demo: $(VENV_STAMP)
-	.venv/bin/clover generate --model models/clover-tiny --task no_fly_zones --block-size 1 --max-new-tokens 400
+	HF_HUB_OFFLINE=1 .venv/bin/clover demo
 
 test: $(VENV_STAMP)
 	$(PY) -m pytest

@@ -1,4 +1,5 @@
-"""Export a training run's checkpoint as a shipped model: bf16 weights, tokenizer, training log."""
+"""Export a training run's checkpoint (Clover or the peer) as a shipped model: bf16 weights,
+tokenizer, training log."""
 
 import shutil
 import sys
@@ -7,13 +8,17 @@ from pathlib import Path
 import torch
 
 from cloverlm.checkpoint import load_model, save_model
+from cloverlm.peer import is_peer_folder, load_peer, save_peer
 from cloverlm.tokenizer import load_tokenizer
 
 
 def main(run: str, out: str) -> None:
     checkpoint = Path(run) / "checkpoint"
-    model = load_model(checkpoint)
-    save_model(model, load_tokenizer(checkpoint), Path(out), dtype=torch.bfloat16)
+    tokenizer = load_tokenizer(checkpoint)
+    if is_peer_folder(checkpoint):
+        save_peer(load_peer(checkpoint), tokenizer, Path(out), dtype=torch.bfloat16)
+    else:
+        save_model(load_model(checkpoint), tokenizer, Path(out), dtype=torch.bfloat16)
     shutil.copy(Path(run) / "train_log.jsonl", Path(out) / "train_log.jsonl")
     size = (Path(out) / "model.safetensors").stat().st_size
     print(f"{out}: {size / 2**20:.1f} MiB")

@@ -237,3 +237,5 @@ def test_empty_batch_and_empty_prompt_get_a_clear_error():
         engine.generate([])
     with pytest.raises(CloverError, match="empty prompt"):
         engine.submit(Request([]))
+    with pytest.raises(CloverError, match="the prompt contains the mask token id 2"):
+        engine.submit(Request([5, MASK, 7]))

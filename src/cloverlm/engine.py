@@ -17,6 +17,12 @@ Continuous batching at block granularity: requests join (after their own prefill
 forwards; the batch holds blocks of different sizes, padded, and caches of different lengths. Each
 request's result is the same as decoding it alone (greedy), tested.
 
+Constrained decoding: a request may carry a `Constraint` (a grammar over token ids, e.g. a JSON
+schema). A grammar reads left to right, so under one only the leftmost run of masked positions may be
+unmasked in a step: the first masked position always, each next one while its grammar-masked choice
+passes the rule; every candidate is drawn from logits masked by the grammar state after the tokens
+before it. Tokens the grammar forces (e.g. `{"name":`) are filled in without a model step.
+
 The engine knows nothing of tokenizers or HTTP: stop strings come in as a callable over token ids.
 """
 
@@ -26,6 +32,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -77,6 +84,23 @@ class DecodeParams:
             raise CloverError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+class Constraint(Protocol):
+    """The grammar state of one request, advanced over the tokens it generates (in order)."""
+
+    def allowed(self) -> torch.Tensor:
+        """Bool [vocab] of the tokens that may come next; never empty (a finished grammar allows its end
+        tokens, which should be stop tokens of the request)."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """Consume one generated token (one that `allowed` permitted)."""
+        ...
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar fixes from here on, whatever the model would say (may be empty)."""
+        ...
+
+
 @dataclass
 class Request:
     prompt_ids: list[int]
@@ -86,6 +110,7 @@ class Request:
     # on_block(request, tokens) with the tokens that became final when a block finished.
     on_step: Callable[[Request, list[int]], None] | None = None
     on_block: Callable[[Request, list[int]], None] | None = None
+    constraint: Constraint | None = None  # stateful: one per request, not shared
 
 
 @dataclass
@@ -141,6 +166,22 @@ class _Row:
         self.block = torch.tensor(known + [self.mask_id] * (size - len(known)))
         self.block_steps = 0
         self.initially_masked = size - len(known)
+        # Forced tokens fill the new block, but one position stays masked: the block is run anyway (the
+        # forward commits the previous one), and a block with nothing masked would never be stepped.
+        self.fill_forced(len(known), keep_masked=1)
+
+    def fill_forced(self, start: int, keep_masked: int = 0) -> int:
+        """Under a constraint, write the grammar's forced tokens from position `start` on (the first masked
+        one); returns the position after them."""
+        constraint = self.request.constraint
+        if constraint is None:
+            return start
+        room = max(len(self.block) - keep_masked - start, 0)
+        for token in constraint.forced()[:room]:
+            self.block[start] = token
+            constraint.advance(token)
+            start += 1
+        return start
 
     def transfer_count(self) -> int:
         """low_confidence: how many positions this step unmasks (the block's masks spread evenly over
@@ -152,7 +193,8 @@ class _Row:
 
 def _choose(logits: torch.Tensor, params: DecodeParams, generator: torch.Generator):
     """Chosen token and its probability per position, logits [n, V]."""
-    if params.temperature == 0:
+    # Below 1e-6 sampling is greedy in effect, and dividing by a float32 temperature that small gives nan.
+    if params.temperature < 1e-6:
         probs = logits.softmax(-1)
         confidence, tokens = probs.max(-1)
         return tokens, confidence
@@ -202,11 +244,29 @@ class Engine:
             raise CloverError("empty prompt: give at least one token")
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.config.vocab_size:
             raise CloverError(f"prompt token ids must be in 0..{self.config.vocab_size - 1}")
+        if self.config.mask_token_id in request.prompt_ids:
+            # a [MASK] in the prompt's leftover block would be "denoised" and overwrite the prompt
+            raise CloverError(f"the prompt contains the mask token id {self.config.mask_token_id}; it is reserved for decoding")
         request.params.validate(self.config.max_block_size)
         if request.params.block_size == AUTO and self.calibration is None:
             raise CloverError('block_size="auto" needs a calibrated model: run `clover calibrate --model DIR` first')
         self.waiting.append(_Row(request, self._submitted, self.config.mask_token_id))
         self._submitted += 1
+
+    def cancel(self, request: Request) -> bool:
+        """Drop a request, waiting or in the batch (with its cache rows), at once; False if it is not here
+        (finished or never submitted). The others' results are unchanged."""
+        for index, row in enumerate(self.waiting):
+            if row.request is request:
+                del self.waiting[index]
+                return True
+        for index, row in enumerate(self.rows):
+            if row.request is request:
+                keep = [i for i in range(len(self.rows)) if i != index]
+                self.rows = [self.rows[i] for i in keep]
+                self.cache = self.cache.select(keep) if keep else None
+                return True
+        return False
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.rows)
@@ -289,6 +349,9 @@ class Engine:
 
     def _denoise(self, row: _Row, logits: torch.Tensor) -> None:
         params = row.params
+        if row.request.constraint is not None:
+            self._denoise_constrained(row, logits)
+            return
         masked = row.block == row.mask_id
         tokens, confidence = _choose(logits, params, row.generator)
         confidence = torch.where(masked, confidence, torch.full_like(confidence, -1.0))
@@ -300,9 +363,36 @@ class Engine:
         else:
             accept = torch.zeros_like(masked)
             accept[confidence.topk(min(row.transfer_count(), int(masked.sum()))).indices] = True
+        row.block = torch.where(accept, tokens, row.block)
+        self._end_step(row)
+
+    def _denoise_constrained(self, row: _Row, logits: torch.Tensor) -> None:
+        """Unmask the leftmost run of masked positions, each drawn under the grammar state after the ones
+        before it; forced tokens are filled in between at no cost."""
+        params, constraint = row.params, row.request.constraint
+        stops = set(params.stop_token_ids) | {self.config.eos_token_id}
+        last_step = row.block_steps + 1 >= (params.max_steps or len(row.block))
+        budget = len(row.block) if params.strategy == "threshold" else row.transfer_count()
+        position = int((row.block == row.mask_id).nonzero()[0])
+        accepted = 0
+        while position < len(row.block) and accepted < budget:
+            allowed = constraint.allowed()
+            masked_logits = logits[position].masked_fill(~allowed[: logits.shape[-1]], float("-inf"))
+            token, confidence = (t.item() for t in _choose(masked_logits[None], params, row.generator))
+            if accepted and params.strategy == "threshold" and not last_step and confidence < params.threshold:
+                break
+            row.block[position] = token
+            accepted += 1
+            if token in stops:  # the rest of the block is cut at the stop anyway
+                row.block[position:] = token
+                break
+            constraint.advance(token)
+            position = row.fill_forced(position + 1)
+        self._end_step(row)
+
+    def _end_step(self, row: _Row) -> None:
         row.block_steps += 1
         row.steps += 1
-        row.block = torch.where(accept, tokens, row.block)
         if row.request.on_step is not None:
             row.request.on_step(row.request, row.block.tolist())
         if not bool((row.block == row.mask_id).any()):

@@ -80,9 +80,9 @@ def load_peer(folder: str | Path, dtype: torch.dtype | None = torch.float32) -> 
     return model.to(dtype).eval() if dtype is not None else model.eval()
 
 
-def save_peer(model: Qwen3_5MoeForCausalLM, tokenizer, folder: str | Path) -> None:
+def save_peer(model: Qwen3_5MoeForCausalLM, tokenizer, folder: str | Path, dtype: torch.dtype | None = None) -> None:
     """config.json + model.safetensors + tokenizer files: Clover's folder layout."""
-    save_model(model, tokenizer, Path(folder))
+    save_model(model, tokenizer, Path(folder), dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ class NoFlyZones:
         # One spare id is the target of NOTAMC cancellations: it never names a message in the prompt.
         ids = [f"{rng.choice('ABCDJMW')}{n}/26" for n in rng.sample(range(1000, 10000), n_messages + 1)]
         zone_slots = set(rng.sample(range(n_messages), rng.randint(1, min(5, n_messages))))
-        lines, zones, copied = [], [], []
+        messages, zones, copied = [], [], []
         for i in range(n_messages):
             fields = _fields(rng, ids[i], ids[-1])
             if i in zone_slots:
@@ -122,12 +122,12 @@ class NoFlyZones:
                 copied += [fields[k] for k in FIELDS]
             else:
                 template = rng.choice(_DISTRACTOR_TEMPLATES)
-            lines.append(f"{i + 1}. {template.format_map(fields)}")
+            messages.append(template.format_map(fields))
         answer = dumps(zones)
         return Example(
             task=self.name,
             seed=seed,
-            prompt="\n".join([*lines, INSTRUCTION]),
+            prompt=format_prompt(messages),
             answer=answer,
             truth=zones,
             value_spans=spans_of(answer, copied),
@@ -146,6 +146,16 @@ class NoFlyZones:
         scores["count"] = float(len(pred) == len(truth))
         scores["exact"] = float(same(parsed, truth))
         return scores
+
+
+def format_prompt(messages: list[str]) -> str:
+    """The task's prompt for `messages` (one line each): numbered from 1, then the instruction."""
+    return "\n".join([*(f"{number}. {message}" for number, message in enumerate(messages, 1)), INSTRUCTION])
+
+
+def prompt_messages(prompt: str) -> list[str]:
+    """The messages of a prompt made by `format_prompt`, without their numbers."""
+    return [line.partition(". ")[2] for line in prompt.split("\n")[:-1]]
 
 
 def parse_zones(text: str) -> list[dict]:
