@@ -1,4 +1,4 @@
-"""The `clover` command line: info, tokenizer, train, generate, eval, calibrate, bench."""
+"""The `clover` command line: info, tokenizer, train, generate, eval, calibrate, bench, demo."""
 
 from __future__ import annotations
 
@@ -249,6 +249,45 @@ def cmd_bench(args) -> None:
     print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
 
 
+def cmd_demo(args) -> None:
+    from .demo import demo
+
+    peer = None
+    if not args.no_peer:  # the default peer sits next to the default model
+        peer = Path(args.peer) if args.peer else default_model_dir().parent / "qwen3.5-moe-tiny"
+    demo(
+        Path(args.model) if args.model else default_model_dir(),
+        peer,
+        peer_required=args.peer is not None,
+        messages_file=Path(args.messages) if args.messages else None,
+        seed=args.seed,
+        out_dir=Path(args.out),
+        json_path=Path(args.json) if args.json else None,
+        block_size=args.block_size,
+        threshold=args.threshold,
+    )
+
+
+def cmd_serve(args) -> None:
+    import torch
+    import uvicorn
+
+    from .calibrate import load_calibration
+    from .server import ServerConfig, create_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = _load(args)
+    if not _is_clover(model):
+        raise CloverError(f"clover serve serves Clover models only; {args.model} holds the autoregressive peer")
+    folder = Path(args.model) if args.model else default_model_dir()
+    config = ServerConfig(
+        model_name=args.served_model_name or folder.resolve().name, api_key=args.api_key,
+        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, max_batch_size=args.max_batch_size,
+    )
+    uvicorn.run(create_app(model, tokenizer, config, load_calibration(folder)), host=args.host, port=args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion MoE language models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -332,6 +371,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--contexts", nargs="+", metavar="N", help="context lengths (default: 1k 4k 16k 64k)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="drone no-fly zones from air-traffic messages: Clover beside its peer, 3D map")
+    p.add_argument("--messages", help="a file of your own messages, one a line (default: 20 generated ones)")
+    p.add_argument("--model", help=f"Clover model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--peer", help="the autoregressive peer's folder (default: models/qwen3.5-moe-tiny, skipped if absent)")
+    p.add_argument("--no-peer", action="store_true", help="Clover only")
+    p.add_argument("--json", help="also write the zones, wall times, TPF and scores here")
+    p.add_argument("--seed", type=int, default=0, help="which generated set of messages")
+    p.add_argument("--out", default="outputs", help="folder for no_fly_zones.png and denoising.png (default: outputs)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, JSON schemas, tools)")
+    p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the folder's name)")
+    p.add_argument("--max-prompt-tokens", type=int, default=8192)
+    p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--threads", type=int)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 
