@@ -42,6 +42,10 @@ OPTIONS = BenchOptions(
     sweep_task="arithmetic",
     sweep_prompts=2,
     sweep_block_sizes=(4, 16),
+    structured_prompts=2,
+    load_clients=2,
+    load_requests=1,
+    decision_prompts=1,
 )
 
 
@@ -84,7 +88,7 @@ def png_size(path) -> tuple[int, int]:
 
 
 def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
-    assert set(report) == {"tasks", "median_exec_s", "context_scaling", "block_sizes", "meta"}
+    assert set(report) == {"tasks", "median_exec_s", "context_scaling", "block_sizes", "structured", "serving", "decisions", "meta"}
     assert list(report["tasks"]) == ["arithmetic", "kv_retrieval"]
     for entry in report["tasks"].values():
         assert set(entry) == TASK_FIELDS
@@ -111,6 +115,12 @@ def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
     for row in report["block_sizes"]:
         assert set(row) == {"block_size", "tpf", "accuracy"}
         assert 0 < row["tpf"] <= row["block_size"] and 0 <= row["accuracy"] <= 1
+    for mode in ("free", "grammar"):
+        assert report["structured"][mode]["tpf"] > 0 and 0 <= report["structured"][mode]["valid_calls"] <= 1
+    for load in ("single", "concurrent"):
+        assert report["serving"][load]["failed"] == 0 and report["serving"][load]["latency_p99_s"] > 0
+    assert report["serving"]["concurrent"]["ok"] == 2
+    assert report["decisions"]["joint_distinct"]["no_overlap"] == 1.0
     meta = report["meta"]
     assert meta["repeats"] == 2 and meta["torch_threads"] == 1 and meta["dtype"] == "float32"
     assert meta["models"]["peer"] == "tiny-peer"

@@ -24,6 +24,10 @@ Each section is one function and one key of the JSON report:
   Timed fused forwards each commit one more block, so the context grows by a few blocks while timing.
 * `block_sizes` (bench_block_sizes): Clover's TPF and accuracy at fixed block sizes on one task, and
   at block_size "auto" when the Clover folder holds a calibration (`clover calibrate`).
+* `structured` and `serving` (`cloverlm.bench_serving`): TPF with a tool-call grammar next to TPF
+  without; the load test (concurrent clients against `clover serve` on loopback, against one client).
+* `decisions` (`cloverlm.decide.bench_decisions`): drone_slots puzzles answered one at a time, jointly,
+  and jointly with distinct answers: the rate of mutually consistent answer sets, and wall time.
 
 write_report writes the JSON and, next to it, `<stem>_tasks.png`, `<stem>_context.png` and
 `<stem>_block_sizes.png`. Without a peer its fields are null and its plot series are left out.
@@ -53,10 +57,12 @@ from transformers import DynamicCache, PreTrainedTokenizerFast
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 from . import tasks
+from .bench_serving import bench_load, bench_structured
 from .calibrate import Calibration, load_calibration
 from .checkpoint import load_model
 from .config import ATTENTION
 from .data import TokenizedExample, heldout_examples
+from .decide import bench_decisions
 from .engine import AUTO, DecodeParams, Engine, Request
 from .errors import CloverError
 from .evaluate import stop_token_ids
@@ -88,11 +94,16 @@ class BenchOptions:
     sweep_task: str = "no_fly_zones"
     sweep_prompts: int = 4
     sweep_block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)
+    structured_prompts: int = 8  # tool_call prompts decoded free and under the grammar
+    load_clients: int = 32  # the serving load test: concurrent clients x requests each
+    load_requests: int = 10
+    decision_prompts: int = 8  # drone_slots puzzles answered jointly and one at a time
 
     @classmethod
     def quick(cls, **overrides) -> BenchOptions:
         """A run of under 3 minutes on a 2-core CPU: one prompt per task, one repeat, short contexts."""
-        fast = dict(prompts=4, repeats=1, contexts=(1024, 4096), timed_forwards=5, sweep_prompts=1, sweep_block_sizes=(4, 16, 64))
+        fast = dict(prompts=4, repeats=1, contexts=(1024, 4096), timed_forwards=5, sweep_prompts=1, sweep_block_sizes=(4, 16, 64),
+                    structured_prompts=2, load_clients=4, load_requests=2, decision_prompts=2)
         return cls(**{**fast, **overrides})
 
     def validate(self) -> None:
@@ -156,6 +167,9 @@ def run_bench(models: BenchModels, options: BenchOptions) -> dict:
         "median_exec_s": median_exec_s,
         "context_scaling": bench_context(models, options, tpf),
         "block_sizes": bench_block_sizes(models, options),
+        "structured": bench_structured(models.clover, models.tokenizer, options.structured_prompts, options.block_size, options.threshold),
+        "serving": bench_load(models.clover, models.tokenizer, options.load_clients, options.load_requests, block_size=options.block_size),
+        "decisions": bench_decisions(models.clover, models.tokenizer, options.decision_prompts, threshold=options.threshold),
         "meta": {
             "models": models.folders,
             "torch_threads": torch.get_num_threads(),

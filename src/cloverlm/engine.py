@@ -23,6 +23,10 @@ unmasked in a step: the first masked position always, each next one while its gr
 passes the rule; every candidate is drawn from logits masked by the grammar state after the tokens
 before it. Tokens the grammar forces (e.g. `{"name":`) are filled in without a model step.
 
+Slots: a request may instead give its whole answer as a fixed layout (`Slots`): one block holding the
+layout's tokens with [MASK] at the slots, each slot restricted to its options. The slots are unmasked by
+the usual rule in any order, so every answer is chosen seeing the others (joint decisions).
+
 The engine knows nothing of tokenizers or HTTP: stop strings come in as a callable over token ids.
 """
 
@@ -102,6 +106,16 @@ class Constraint(Protocol):
 
 
 @dataclass
+class Slots:
+    """An answer of fixed layout, decoded as one block: `layout` holds token ids, None where the model fills
+    in, and `options` the token ids allowed at each None, in order."""
+
+    layout: list[int | None]
+    options: list[list[int]]
+    distinct: bool = False  # no two slots take the same token (e.g. one zone per drone)
+
+
+@dataclass
 class Request:
     prompt_ids: list[int]
     params: DecodeParams = field(default_factory=DecodeParams)
@@ -111,6 +125,7 @@ class Request:
     on_step: Callable[[Request, list[int]], None] | None = None
     on_block: Callable[[Request, list[int]], None] | None = None
     constraint: Constraint | None = None  # stateful: one per request, not shared
+    slots: Slots | None = None  # the answer's layout (then max_new_tokens does not apply)
 
 
 @dataclass
@@ -155,6 +170,7 @@ class _Row:
         self.finish_reason: str | None = None
         self.last_hidden: torch.Tensor | None = None  # final hidden state of the last position decoded
         self.block_records: list[BlockRecord] = []
+        self.allowed: torch.Tensor | None = None  # [block, V] under Slots: the tokens each position may take
         seed = self.params.seed if self.params.seed is not None else random.randrange(2**63)
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -169,6 +185,19 @@ class _Row:
         # Forced tokens fill the new block, but one position stays masked: the block is run anyway (the
         # forward commits the previous one), and a block with nothing masked would never be stepped.
         self.fill_forced(len(known), keep_masked=1)
+
+    def start_slots(self, vocab_size: int) -> None:
+        slots = self.request.slots
+        self.block_start_hidden = self.last_hidden
+        self.known = 0
+        self.block = torch.tensor([self.mask_id if token is None else token for token in slots.layout])
+        self.block_steps = 0
+        self.initially_masked = len(slots.options)
+        self.allowed = torch.ones(len(self.block), vocab_size, dtype=torch.bool)
+        self.slot_positions = [i for i, token in enumerate(slots.layout) if token is None]
+        for position, options in zip(self.slot_positions, slots.options):
+            self.allowed[position] = False
+            self.allowed[position, options] = True
 
     def fill_forced(self, start: int, keep_masked: int = 0) -> int:
         """Under a constraint, write the grammar's forced tokens from position `start` on (the first masked
@@ -250,8 +279,23 @@ class Engine:
         request.params.validate(self.config.max_block_size)
         if request.params.block_size == AUTO and self.calibration is None:
             raise CloverError('block_size="auto" needs a calibrated model: run `clover calibrate --model DIR` first')
+        if request.slots is not None:
+            self._check_slots(request)
         self.waiting.append(_Row(request, self._submitted, self.config.mask_token_id))
         self._submitted += 1
+
+    def _check_slots(self, request: Request) -> None:
+        slots, vocab = request.slots, self.config.vocab_size
+        if request.constraint is not None:
+            raise CloverError("a request takes slots or a constraint, not both")
+        if not 1 <= len(slots.layout) <= self.config.max_block_size:
+            raise CloverError(f"a slot layout is one block: 1..{self.config.max_block_size} tokens, got {len(slots.layout)}")
+        if sum(token is None for token in slots.layout) != len(slots.options) or not all(slots.options):
+            raise CloverError("slots need one non-empty list of options per None in the layout")
+        reserved = {self.config.mask_token_id, self.config.eos_token_id, *request.params.stop_token_ids}
+        tokens = [t for t in slots.layout if t is not None] + [t for options in slots.options for t in options]
+        if any(not 0 <= t < vocab or t in reserved for t in tokens):
+            raise CloverError(f"slot layout and options must be ordinary token ids in 0..{vocab - 1} (no mask or stop ids)")
 
     def cancel(self, request: Request) -> bool:
         """Drop a request, waiting or in the batch (with its cache rows), at once; False if it is not here
@@ -294,12 +338,16 @@ class Engine:
             row = self.waiting.popleft()
             prompt, size = row.request.prompt_ids, row.params.block_size
             cache = CloverCache.empty(self.config, 1)
-            if size == AUTO:
-                # the whole prompt is history; the first block's size comes from its last hidden state
-                size = self.calibration.prefill_block_size
+            if size == AUTO or row.request.slots is not None:
+                # the whole prompt is history; the first block is the slot layout, or its size comes from
+                # the prompt's last hidden state
+                size = self.calibration.prefill_block_size if size == AUTO else size
                 partition = [size] * (len(prompt) // size) + ([len(prompt) % size] if len(prompt) % size else [])
                 row.last_hidden = self.model.prefill(torch.tensor([prompt]), partition, cache)[0]
-                row.start_block([], self.calibration.choose(row.last_hidden))
+                if row.request.slots is not None:
+                    row.start_slots(self.config.vocab_size)
+                else:
+                    row.start_block([], self.calibration.choose(row.last_hidden))
             else:
                 committed = len(prompt) // size * size
                 if committed:
@@ -352,6 +400,8 @@ class Engine:
         if row.request.constraint is not None:
             self._denoise_constrained(row, logits)
             return
+        if row.allowed is not None:
+            logits = logits.masked_fill(~row.allowed, float("-inf"))
         masked = row.block == row.mask_id
         tokens, confidence = _choose(logits, params, row.generator)
         confidence = torch.where(masked, confidence, torch.full_like(confidence, -1.0))
@@ -363,8 +413,29 @@ class Engine:
         else:
             accept = torch.zeros_like(masked)
             accept[confidence.topk(min(row.transfer_count(), int(masked.sum()))).indices] = True
+        if row.allowed is not None and row.request.slots.distinct:
+            accept = self._distinct(row, tokens, confidence, accept)
         row.block = torch.where(accept, tokens, row.block)
         self._end_step(row)
+
+    @staticmethod
+    def _distinct(row: _Row, tokens: torch.Tensor, confidence: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
+        """Slots with distinct answers: of the slots accepted in this step that want the same token the most
+        confident keeps it, the others stay masked; open slots may no longer take a chosen token (unless
+        it was their last option)."""
+        taken = {int(row.block[p]) for p in row.slot_positions if row.block[p] != row.mask_id}
+        keep = accept.clone()
+        for position in sorted(accept.nonzero()[:, 0].tolist(), key=lambda p: -float(confidence[p])):
+            token = int(tokens[position])
+            keep[position] = token not in taken
+            taken.add(token)
+        for position in row.slot_positions:
+            if row.block[position] == row.mask_id and not keep[position]:
+                remaining = row.allowed[position].clone()
+                remaining[list(taken)] = False
+                if bool(remaining.any()):
+                    row.allowed[position] = remaining
+        return keep
 
     def _denoise_constrained(self, row: _Row, logits: torch.Tensor) -> None:
         """Unmask the leftmost run of masked positions, each drawn under the grammar state after the ones
@@ -415,6 +486,8 @@ class Engine:
             if keep is not None:
                 del row.generated[keep:]
                 row.finish_reason = "stop"
+        if row.finish_reason is None and row.request.slots is not None:
+            row.finish_reason = "stop"  # the layout is the whole answer
         if row.finish_reason is None and len(row.generated) >= params.max_new_tokens:
             row.finish_reason = "length"
         if row.request.on_block is not None and len(row.generated) > before:

@@ -1,0 +1,110 @@
+"""Joint decisions: slot layouts in the engine (fixed tokens kept, answers within their options, distinct
+answers), the drone_slots task (unique solutions, checker), `decide` and its bench entry."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from cloverlm import CloverError
+from cloverlm.decide import bench_decisions, decide, decision_requests
+from cloverlm.engine import DecodeParams, Engine, Request, Slots
+from cloverlm.tasks.drone_slots import DroneSlots, consistent
+from cloverlm.tokenizer import load_tokenizer
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("models/clover-tiny")
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    torch.set_num_threads(1)
+    return tiny_model(vocab_size=len(tokenizer))
+
+
+@pytest.mark.parametrize("strategy", ["threshold", "low_confidence"])
+def test_slots_keep_the_layout_and_answer_within_the_options(strategy):
+    model = tiny_model()
+    layout = [40, None, 41, None, None, 42]
+    options = [[50, 51], [60, 61, 62], [50, 51, 52]]
+    steps = []
+    request = Request([7, 8, 9, 10, 11], DecodeParams(block_size=4, threshold=0.01, strategy=strategy),
+                      slots=Slots(layout, options), on_step=lambda _, block: steps.append(block))
+    [completion] = Engine(model).generate([request])
+    assert completion.finish_reason == "stop" and completion.blocks == 1 and len(completion.tokens) == len(layout)
+    assert [t for t, fixed in zip(completion.tokens, layout) if fixed is not None] == [40, 41, 42]
+    answers = [completion.tokens[i] for i in (1, 3, 4)]
+    assert all(answer in allowed for answer, allowed in zip(answers, options))
+    assert all(block[0] == 40 and block[5] == 42 for block in steps)
+
+
+def test_distinct_slots_never_repeat_an_answer():
+    model = tiny_model()
+    for seed in range(4):
+        layout = [None] * 6
+        request = Request([5, 6, 7], DecodeParams(threshold=0.01, temperature=1.0, seed=seed),
+                          slots=Slots(layout, [list(range(20, 26))] * 6, distinct=True))
+        [completion] = Engine(model).generate([request])
+        assert sorted(completion.tokens) == list(range(20, 26))
+
+
+def test_bad_slots_get_a_clear_error():
+    engine = Engine(tiny_model())
+    for slots, message in (
+        (Slots([None, None], [[5]]), "one non-empty list of options per None"),
+        (Slots([None], [[2]]), "no mask or stop ids"),
+        (Slots([None] * 500, [[5]] * 500), "one block"),
+    ):
+        with pytest.raises(CloverError, match=message):
+            engine.submit(Request([5, 6], slots=slots))
+
+
+def test_drone_slots_have_exactly_one_solution():
+    task = DroneSlots()
+    for seed in range(20):
+        example = task.generate(seed, drones=5 + seed % 4)
+        allowed = example.truth["allowed"]
+        solutions = [p for p in itertools.permutations(range(1, len(allowed) + 1))
+                     if all(zone in allowed[d] for d, zone in enumerate(p))]
+        assert len(solutions) == 1
+        assert task.check(example, example.answer) == {"parsed": 1.0, "consistent": 1.0, "drones": 1.0, "exact": 1.0}
+        assert consistent(example.truth["zones"], allowed)
+    example = task.generate(0, drones=4)
+    swapped = dict(example.truth["zones"], **{"1": example.truth["zones"]["2"]})
+    assert task.check(example, "not json")["parsed"] == 0.0
+    assert task.check(example, json.dumps(swapped))["consistent"] == 0.0
+    with pytest.raises(ValueError):
+        task.generate(0, drones=9)
+
+
+def test_decide_joint_and_one_at_a_time(model, tokenizer):
+    task = DroneSlots()
+    example = task.generate(1, drones=5)
+    questions = task.questions(example)
+    joint = decide(model, tokenizer, questions, example.prompt)
+    alone = decide(model, tokenizer, questions, example.prompt, joint=False)
+    distinct = decide(model, tokenizer, questions, example.prompt, distinct=True)
+    for decision in (joint, alone, distinct):
+        assert len(decision.answers) == 5 and all(a in {"1", "2", "3", "4", "5"} for a in decision.answers)
+    assert len(set(distinct.answers)) == 5
+    assert joint.forwards <= 5 and alone.forwards == 5  # one generation of one block, against five
+    [request] = decision_requests(tokenizer, questions, "", True, DecodeParams())
+    assert tokenizer.decode([t for t in request.slots.layout if t is not None]) == '{"1":"","2":"","3":"","4":"","5":""}'
+    with pytest.raises(CloverError, match="exactly one token"):
+        decide(model, tokenizer, [("Pick one", ["alpha beta", "b"])])
+    with pytest.raises(CloverError, match="1..8 questions"):
+        decide(model, tokenizer, [("q", ["1"])] * 9)
+
+
+def test_bench_decisions_reports_each_mode(model, tokenizer):
+    report = bench_decisions(model, tokenizer, prompts=2, drones=4)
+    assert set(report) == {"one_at_a_time", "joint", "joint_distinct", "prompts", "drones", "threshold"}
+    for mode in ("one_at_a_time", "joint", "joint_distinct"):
+        entry = report[mode]
+        assert set(entry) == {"no_overlap", "consistent", "exact", "drone_accuracy", "wall_s_median", "forwards_median"}
+        assert 0 <= entry["consistent"] <= entry["no_overlap"] <= 1 and entry["wall_s_median"] > 0
+    assert report["joint_distinct"]["no_overlap"] == 1.0
