@@ -204,7 +204,7 @@ def test_peer_trains_checkpoints_and_resumes_exactly(tmp_path, small_tokenizer, 
     for name, tensor in reference.items():
         assert torch.equal(resumed[name], tensor), name
     (evaluation,) = [r for r in logged(tmp_path / "ref") if r.get("event") == "eval"]
-    probes = {"copy_no_fly_zones_b1", "copy_kv_retrieval_b1", "copy_tool_call_b1"}
+    probes = {f"copy_{task}_b1" for task in ("no_fly_zones", "kv_retrieval", "tool_call", "repeat")}
     assert set(evaluation) == {"event", "step", "elbo_b1", "copy", *probes}  # no b16 metrics for the peer
     assert 0 < evaluation["elbo_b1"] < 10
     load_peer(tmp_path / "ref" / "checkpoint")  # a training checkpoint is a peer model folder
