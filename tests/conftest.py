@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from cloverlm import CloverForBlockDiffusion, preset_config
+from cloverlm.tokenizer import load_tokenizer
 
 TINY = dict(
     vocab_size=300,
@@ -32,6 +33,18 @@ def one_thread():
     # CI has 2 cores and several tests run a server or a subprocess beside the model: more threads
     # only contend (seen: one test 5.7 s with 1 thread, 364 s with 2 on a loaded machine)
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The shipped tokenizer: real special tokens and chat template, for tiny random models."""
+    return load_tokenizer("models/clover-tiny")
+
+
+@pytest.fixture(scope="module")
+def random_model(tokenizer):
+    """A tiny random model over the shipped tokenizer's vocabulary."""
+    return tiny_model(vocab_size=len(tokenizer))
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import torch
 from cloverlm import CloverError
 from cloverlm.calibrate import Calibration, calibrate, fit_head, load_calibration
 from cloverlm.engine import BlockRecord, DecodeParams, Engine, Request
-from cloverlm.tokenizer import load_tokenizer
 from conftest import tiny_model
 
 
@@ -43,14 +42,9 @@ def test_auto_needs_a_calibration():
         Engine(tiny_model()).submit(Request([5, 6], DecodeParams(block_size="auto")))
 
 
-@pytest.fixture(scope="module")
-def shipped_tokenizer():
-    return load_tokenizer("models/clover-tiny")
-
-
-def test_calibrate_end_to_end(tmp_path, shipped_tokenizer):
-    model = tiny_model(vocab_size=len(shipped_tokenizer))
-    calibration, report = calibrate(model, shipped_tokenizer, fit_prompts=4, eval_prompts=2, max_new_tokens=12, sizes=(1, 4, 8))
+def test_calibrate_end_to_end(tmp_path, tokenizer, random_model):
+    model = random_model
+    calibration, report = calibrate(model, tokenizer, fit_prompts=4, eval_prompts=2, max_new_tokens=12, sizes=(1, 4, 8))
     assert [row["block_size"] for row in report["evaluation"]] == [1, 4, 8, "auto"]
     assert all(row["tpf"] > 0 and 0 <= row["accuracy"] <= 1 for row in report["evaluation"])
     assert report["fit"][1]["mean_steps"] == 1.0 and report["fit"][8]["blocks"] > 0

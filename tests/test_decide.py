@@ -5,25 +5,12 @@ import itertools
 import json
 
 import pytest
-import torch
 
 from cloverlm import CloverError
 from cloverlm.decide import bench_decisions, decide, decision_requests
 from cloverlm.engine import DecodeParams, Engine, Request, Slots
 from cloverlm.tasks.drone_slots import DroneSlots, consistent
-from cloverlm.tokenizer import load_tokenizer
 from conftest import tiny_model
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("models/clover-tiny")
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    torch.set_num_threads(1)
-    return tiny_model(vocab_size=len(tokenizer))
 
 
 @pytest.mark.parametrize("strategy", ["threshold", "low_confidence"])
@@ -81,7 +68,8 @@ def test_drone_slots_have_exactly_one_solution():
         task.generate(0, drones=9)
 
 
-def test_decide_joint_and_one_at_a_time(model, tokenizer):
+def test_decide_joint_and_one_at_a_time(random_model, tokenizer):
+    model = random_model
     task = DroneSlots()
     example = task.generate(1, drones=5)
     questions = task.questions(example)
@@ -100,7 +88,8 @@ def test_decide_joint_and_one_at_a_time(model, tokenizer):
         decide(model, tokenizer, [("q", ["1"])] * 9)
 
 
-def test_bench_decisions_reports_each_mode(model, tokenizer):
+def test_bench_decisions_reports_each_mode(random_model, tokenizer):
+    model = random_model
     report = bench_decisions(model, tokenizer, prompts=2, drones=4)
     assert set(report) == {"one_at_a_time", "joint", "joint_distinct", "prompts", "drones", "threshold"}
     for mode in ("one_at_a_time", "joint", "joint_distinct"):

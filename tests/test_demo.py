@@ -34,7 +34,6 @@ from cloverlm.demo_plots import (
 from cloverlm.peer import build_peer, peer_config
 from cloverlm.tasks.base import dumps
 from cloverlm.tasks.no_fly_zones import FIELDS, format_prompt, parse_zones, prompt_messages
-from cloverlm.tokenizer import load_tokenizer
 from conftest import TINY, tiny_model
 
 REPORT_FIELDS = {"clover", "peer", "speedup"}
@@ -44,11 +43,6 @@ ZONE_A = {"id": "A1234/26", "lat": 47.4581, "lon": 8.5551, "radius": 3.0, "unit"
           "upper": "400FT", "start": "2026-05-01T08:00Z", "end": "2026-05-01T12:30Z"}
 ZONE_B = {"id": "D5678/26", "lat": 47.5372, "lon": 8.6621, "radius": 7.4, "unit": "KM", "lower": "200FT",
           "upper": "2000FT", "start": "2026-06-02T06:30Z", "end": "2026-06-02T18:00Z"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("models/clover-tiny")
 
 
 @pytest.fixture(scope="module")

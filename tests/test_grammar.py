@@ -12,7 +12,6 @@ from cloverlm.engine import DecodeParams, Engine, Request
 from cloverlm.evaluate import stop_token_ids
 from cloverlm.grammar import GrammarError, Grammars
 from cloverlm.server import parse_tool_calls
-from cloverlm.tokenizer import load_tokenizer
 from conftest import tiny_model
 
 # Twenty schemas covering the JSON-schema features clients use; lengths are bounded so that a random
@@ -55,17 +54,6 @@ SCHEMAS = [
     {"type": "object", "properties": {"status": {"enum": ["ok", "error"]}, "code": {"type": "integer", "minimum": 100, "maximum": 599},
                                       "message": SHORT}, "required": ["status", "code", "message"], "additionalProperties": False},
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("models/clover-tiny")
-
-
-@pytest.fixture(scope="module")
-def random_model(tokenizer):
-    torch.set_num_threads(1)
-    return tiny_model(vocab_size=len(tokenizer))
 
 
 @pytest.fixture(scope="module")
