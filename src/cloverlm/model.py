@@ -633,17 +633,16 @@ class CloverDecoderLayer(nn.Module):
         h, aux = self._feed_forward(torch.cat([h_noisy + mix_noisy, h_clean + mix_clean], dim=1))
         return h[:, :length], h[:, length:], aux
 
-    def forward_decode(self, commit, step, cache: LayerCache, lengths, skip_commit_ffn: bool = False):
+    def forward_decode(self, commit, step, cache: LayerCache, skip_commit_ffn: bool = False):
         """The fused decoding step of one layer. `commit` and `step` are (h [B, n, hidden], valid [B, n],
-        positions [B, n]) or None. The clean block is folded into the cache first, then the block being
+        positions [B, n], history [B]: committed tokens the part sees) or None. The clean block is folded into the cache first, then the block being
         denoised reads the updated history; one MoE call serves both (routing is per token)."""
         outputs = []
         for part, is_commit in ((commit, True), (step, False)):
             if part is None:
                 outputs.append(None)
                 continue
-            h, valid, positions = part
-            history = lengths if is_commit else lengths + (commit[1].sum(1) if commit is not None else 0)
+            h, valid, positions, history = part
             h = h + self.mixer.forward_block(self.input_layernorm(h), valid, cache, positions, history, is_commit)
             outputs.append((h, valid))
         if skip_commit_ffn:  # the last layer: nothing reads the clean block's output
@@ -804,14 +803,12 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
                 raise CloverError(f"block size {ids.shape[1]} is above the model's limit of {self.config.max_block_size}")
             valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
             positions = offset[:, None] + torch.arange(ids.shape[1], device=ids.device)
-            parts.append((self.model.embed_tokens(ids), valid, positions))
+            parts.append((self.model.embed_tokens(ids), valid, positions, offset))
             offset = offset + valid.sum(1)
         commit, step = parts
         layers = self.model.layers
         for index, (layer, layer_cache) in enumerate(zip(layers, cache.layers)):
-            h_commit, h_step = layer.forward_decode(
-                commit, step, layer_cache, cache.lengths, skip_commit_ffn=index == len(layers) - 1
-            )
+            h_commit, h_step = layer.forward_decode(commit, step, layer_cache, skip_commit_ffn=index == len(layers) - 1)
             commit = None if commit is None else (h_commit, *commit[1:])
             step = None if step is None else (h_step, *step[1:])
         if commit_ids is not None:
