@@ -70,7 +70,7 @@ from .model import CloverCache, CloverForBlockDiffusion
 from .peer import PEER_ARCH, load_peer, peer_generate
 from .tokenizer import SPECIAL_TOKENS, load_tokenizer
 
-TASK_NAMES = ("no_fly_zones", "tool_call", "kv_retrieval", "arithmetic")
+TASK_NAMES = tasks.SUITE
 # The checker field a task is scored by; "exact" unless named here. A no_fly_zones answer lists many
 # zones: the share of zones exactly right separates models that an all-or-nothing "exact" does not.
 ACCURACY_FIELDS = {"no_fly_zones": "zone_exact_match"}

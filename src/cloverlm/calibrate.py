@@ -106,7 +106,7 @@ def measure_forward_ms(model, sizes, context: int = 256, repeats: int = 7) -> li
 
 def calibration_prompts(tokenizer, count: int, seed_base: int, max_new_tokens: int) -> list[tuple[list[int], int, tasks.Example]]:
     """(prompt ids, answer budget, example) spread over the task suite."""
-    names = ["no_fly_zones", "tool_call", "kv_retrieval", "arithmetic"]
+    names = tasks.SUITE
     out = []
     for i in range(count):
         encoded = encode_example(tokenizer, tasks.generate(names[i % len(names)], seed_base + i))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import CloverError
+from .tasks import SUITE
 
 DEFAULT_MODEL = "models/clover-tiny"
 
@@ -354,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--temperature", type=float, default=0.0)
             p.add_argument("--sampling-seed", type=int, help="seed for sampling (temperature > 0)")
         else:
-            p.add_argument("--tasks", nargs="+", default=["no_fly_zones", "tool_call", "kv_retrieval", "arithmetic"])
+            p.add_argument("--tasks", nargs="+", default=list(SUITE))
             p.add_argument("--n", type=int, default=20)
             p.add_argument("--json")
 
