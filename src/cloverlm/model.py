@@ -25,7 +25,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from .config import MEMORY, CloverConfig
 from .errors import CloverError
-from .ops.gated_delta import chunk_gated_delta_rule, chunk_layout, gated_delta_readout
+from .ops.gated_delta import chunk_layout, gated_delta_readout, two_stream_gated_delta_rule
 from .ops.moe import dispatch_experts
 
 # ----------------------------------------------------------------------------------------------
@@ -281,6 +281,9 @@ class CloverSparseMoeBlock(nn.Module):
     """
 
     use_grouped_mm: bool | None = None  # None: grouped_mm where torch has it, else the loop
+    # Data-parallel training sets this to a sum over ranks (distributed.wrap): the balancing loss and
+    # the bias update then see the whole batch's load, exactly as one process would, on every rank.
+    reduce_load = None
 
     def __init__(self, config: CloverConfig):
         super().__init__()
@@ -308,6 +311,8 @@ class CloverSparseMoeBlock(nn.Module):
         aux_loss = x.new_zeros((), dtype=torch.float32)
         if self.training:
             counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).float()
+            if self.reduce_load is not None:
+                self.reduce_load(counts)
             self.expert_load += counts.detach()
             fraction = counts / counts.sum()
             aux_loss = self.num_experts * (fraction * probs.mean(0)).sum()
@@ -431,7 +436,7 @@ class CloverMemoryMixer(nn.Module):
         if x_noisy is not None:
             qn, kn, vn = self._split_heads(self._block_conv(self.in_proj_qkv(x_noisy), proj_clean, layout))
         log_decay, beta = self._gates(x_clean)
-        mem_clean, final_state, mem_noisy, _ = chunk_gated_delta_rule(
+        mem_clean, final_state, mem_noisy = two_stream_gated_delta_rule(
             qc, kc, vc, log_decay, beta, block_sizes=layout.block_sizes, chunk_size=layout.chunk_size, q_noisy=qn
         )
         if cache is not None:
@@ -483,7 +488,7 @@ class CloverMemoryMixer(nn.Module):
             # beta = 0 and decay 1 at padding: those positions leave the state untouched.
             log_decay, beta = log_decay.masked_fill(~valid[..., None], 0.0), beta.masked_fill(~valid[..., None], 0.0)
             n = x.shape[1]
-            o_mem, cache.state, _, _ = chunk_gated_delta_rule(
+            o_mem, cache.state, _ = two_stream_gated_delta_rule(
                 q, k, v, log_decay, beta, block_sizes=[n], chunk_size=n, initial_state=cache.state
             )
             if r:

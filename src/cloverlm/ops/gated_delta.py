@@ -11,9 +11,17 @@ delta-rule corrections are one unit-lower-triangular solve, so the cost is a Pyt
 not tokens. It also returns, for an optional second set of queries (the noisy stream of block
 diffusion), the read-out of the state *before* each query's block: S_{start(b)-1}^T q / sqrt(Dk).
 Everything runs in fp32 whatever the input dtype: the decays compound over thousands of tokens.
+
+`two_stream_gated_delta_rule` is what the memory layer calls. On CUDA with flash-linear-attention it
+runs both streams through fla's fused kernel in one causal pass (`interleaved_two_stream`: noisy
+blocks placed before their clean blocks with beta = 0 and log-decay = 0); elsewhere, the chunked
+form above. The interleaved formulation is checked on CPU against the chunked form with
+`reference_kernel` standing in for fla.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -172,3 +180,84 @@ def gated_delta_readout(q, state):
     """Read memory without writing it: S^T q / sqrt(Dk) for every token of a block being denoised."""
     dk = q.shape[-1]
     return (torch.einsum("bhkv,bthk->bthv", state.float(), q.float()) * dk**-0.5).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Both streams in one causal pass (design section 3), and the dispatch to a fused kernel.
+
+
+def interleave_order(block_sizes: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse): order lists the rows of [noisy ; clean] (2L rows) as [x_t^1, x_0^1, x_t^2, ...];
+    inverse puts them back."""
+    return _interleave_order(tuple(block_sizes), str(device or "cpu"))
+
+
+@functools.lru_cache(maxsize=16)
+def _interleave_order(block_sizes: tuple[int, ...], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # Every memory layer of a forward asks for the same partition: build it (and copy it to the
+    # device) once.
+    length = sum(block_sizes)
+    order, start = [], 0
+    for size in block_sizes:
+        order += list(range(start, start + size)) + list(range(length + start, length + start + size))
+        start += size
+    order = torch.tensor(order, dtype=torch.long, device=device)
+    return order, torch.argsort(order)
+
+
+def reference_kernel(q, k, v, log_decay, beta, initial_state=None):
+    """The pure-PyTorch chunked rule in a fused kernel's shape: one causal pass, (o, final_state)."""
+    o, state, _, _ = chunk_gated_delta_rule(q, k, v, log_decay, beta, chunk_size=64, initial_state=initial_state)
+    return o, state
+
+
+def interleaved_two_stream(q, k, v, log_decay, beta, q_noisy, block_sizes: list[int], kernel, initial_state=None):
+    """The two streams of every block through one causal kernel call over 2L tokens.
+
+    Noisy block b is placed right before clean block b, with beta = 0 and log-decay = 0: the state
+    passes it unchanged, so its queries read S_{b-1}, and the clean tokens after it see exactly the
+    clean history. Returns (o_clean, final_state, o_noisy) as `chunk_gated_delta_rule` does.
+    kernel(q, k, v, log_decay, beta, initial_state) -> (o, final_state) is any exact causal gated delta
+    rule: fla's on CUDA, `reference_kernel` to check the formulation on CPU.
+    """
+    length = q.shape[1]
+    order, inverse = interleave_order(block_sizes, q.device)
+
+    def weave(noisy, clean):
+        return torch.cat([noisy, clean.to(noisy.dtype)], dim=1)[:, order]
+
+    # Zero keys and values at noisy positions as well: with beta = 0 they are never written, and zeros
+    # keep the kernel's intermediate products finite whatever the noisy projections hold.
+    o, state = kernel(
+        weave(q_noisy.to(q.dtype), q),
+        weave(torch.zeros_like(k), k),
+        weave(torch.zeros_like(v), v),
+        weave(torch.zeros_like(log_decay), log_decay),
+        weave(torch.zeros_like(beta), beta),
+        initial_state,
+    )
+    o = o[:, inverse]
+    return o[:, length:], state, o[:, :length]
+
+
+def two_stream_gated_delta_rule(
+    q, k, v, log_decay, beta, *, block_sizes: list[int], chunk_size: int, q_noisy=None, initial_state=None
+):
+    """The memory layer's call: (o_clean, final_state, o_noisy or None).
+
+    With CUDA tensors and flash-linear-attention installed, one fused kernel call (both streams
+    interleaved); otherwise the pure-PyTorch chunked rule, which stays the reference.
+    """
+    from .fla_backend import kernel_for
+
+    kernel = kernel_for(q)
+    if kernel is None:
+        o, state, o_noisy, _ = chunk_gated_delta_rule(
+            q, k, v, log_decay, beta, block_sizes=block_sizes, chunk_size=chunk_size,
+            initial_state=initial_state, q_noisy=q_noisy,
+        )
+        return o, state, o_noisy
+    if q_noisy is None:
+        o, state = kernel(q, k, v, log_decay, beta, initial_state)
+        return o, state, None
+    return interleaved_two_stream(q, k, v, log_decay, beta, q_noisy, block_sizes, kernel, initial_state)
