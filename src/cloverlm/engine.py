@@ -256,6 +256,9 @@ class Engine:
         if max_batch_size < 1:
             raise CloverError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model = model.eval()
+        # Ids and caches go to the model's device; logits and hidden states come back to the CPU, where
+        # the unmasking rules, sampling generators, grammars and the calibration head live.
+        self.device = next(model.parameters()).device
         self.calibration = calibration
         self.record_blocks = record_blocks
         self.config = model.config
@@ -337,13 +340,13 @@ class Engine:
         while self.waiting and len(self.rows) + len(joined) < self.max_batch_size:
             row = self.waiting.popleft()
             prompt, size = row.request.prompt_ids, row.params.block_size
-            cache = CloverCache.empty(self.config, 1)
+            cache = CloverCache.empty(self.config, 1, device=self.device)
             if size == AUTO or row.request.slots is not None:
                 # the whole prompt is history; the first block is the slot layout, or its size comes from
                 # the prompt's last hidden state
                 size = self.calibration.prefill_block_size if size == AUTO else size
                 partition = [size] * (len(prompt) // size) + ([len(prompt) % size] if len(prompt) % size else [])
-                row.last_hidden = self.model.prefill(torch.tensor([prompt]), partition, cache)[0]
+                row.last_hidden = self.model.prefill(torch.tensor([prompt], device=self.device), partition, cache)[0].cpu()
                 if row.request.slots is not None:
                     row.start_slots(self.config.vocab_size)
                 else:
@@ -351,8 +354,8 @@ class Engine:
             else:
                 committed = len(prompt) // size * size
                 if committed:
-                    hidden = self.model.prefill(torch.tensor([prompt[:committed]]), uniform_partition(committed, size), cache)
-                    row.last_hidden = hidden[0]
+                    ids = torch.tensor([prompt[:committed]], device=self.device)
+                    row.last_hidden = self.model.prefill(ids, uniform_partition(committed, size), cache)[0].cpu()
                 row.start_block(list(prompt[committed:]), size)
             joined.append((row, cache))
         if joined:
@@ -370,10 +373,10 @@ class Engine:
         commits = [row.pending_commit or [] for row in self.rows]
         commit_ids = commit_valid = None
         if any(commits):
-            commit_ids, commit_valid = _pad([torch.tensor(c, dtype=torch.long) for c in commits], pad)
-        step_ids, step_valid = _pad([row.block for row in self.rows], pad)
+            commit_ids, commit_valid = _pad([torch.tensor(c, dtype=torch.long) for c in commits], pad, self.device)
+        step_ids, step_valid = _pad([row.block for row in self.rows], pad, self.device)
         logits, hidden = self.model.decode(self.cache, commit_ids, commit_valid, step_ids, step_valid, return_hidden=True)
-        logits = logits.float()
+        logits, hidden = logits.float().cpu(), hidden.cpu()
         logits[..., self.config.mask_token_id] = float("-inf")  # never "unmask" to [MASK]
         self.forwards += 1
         finished, keep = [], []
@@ -498,12 +501,12 @@ class Engine:
             row.start_block([], size)
 
 
-def _pad(blocks: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad 1-D blocks into [B, n] ids and a validity mask."""
+def _pad(blocks: list[torch.Tensor], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D blocks into [B, n] ids and a validity mask, on `device`."""
     width = max(len(b) for b in blocks)
     ids = torch.full((len(blocks), width), pad_id, dtype=torch.long)
     valid = torch.zeros(len(blocks), width, dtype=torch.bool)
     for i, block in enumerate(blocks):
         ids[i, : len(block)] = block
         valid[i, : len(block)] = True
-    return ids, valid
+    return ids.to(device), valid.to(device)
