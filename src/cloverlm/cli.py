@@ -50,12 +50,21 @@ def cmd_info(args) -> None:
         "num_experts_per_tok": config.num_experts_per_tok,
         "vocab_size": config.vocab_size,
     }
+    plan = None
+    if args.plan is not None:
+        from .plan import format_plan, memory_plan
+
+        plan = memory_plan(config, args.plan, seq_len=args.seq_len, context=args.context, gpu_gib=args.gpu_gib)
+        info["plan"] = plan
     if args.json:
         print(json.dumps(info))
     else:
         print(f"{args.preset}: {human_count(counts['total_params'])} total, {human_count(counts['active_params'])} active")
         for key, value in info.items():
-            print(f"  {key}: {value}")
+            if key != "plan":
+                print(f"  {key}: {value}")
+        if plan is not None:
+            print("\n".join(format_plan(plan)))
 
 
 def cmd_tokenizer(args) -> None:
@@ -293,9 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion MoE language models")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("info", help="parameter counts of a preset")
+    p = sub.add_parser("info", help="parameter counts of a preset (--plan N: memory per GPU on N GPUs)")
     p.add_argument("preset")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plan", type=int, metavar="N_GPUS", help="per-GPU memory for FSDP training and expert-parallel serving")
+    p.add_argument("--seq-len", type=int, default=4096, help="--plan: training tokens per GPU per micro-batch")
+    p.add_argument("--context", type=int, default=32768, help="--plan: serving context per request, in tokens")
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="--plan: GPU memory for the requests-per-GPU figure")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("tokenizer", help="train the default byte-level BPE tokenizer")
