@@ -116,12 +116,24 @@ def _fsync_tree(folder: Path) -> None:
 
 def atomic_write_dir(target: Path, write) -> None:
     """Call write(tmp_dir), fsync, then swap it in: a crash leaves the old or the new folder, never half."""
+    tmp = fresh_tmp_dir(target)
+    write(tmp)
+    swap_in(tmp, target)
+
+
+def fresh_tmp_dir(target: Path) -> Path:
+    """The empty folder a new version of `target` is written into before `swap_in`."""
     target = Path(target)
     tmp = target.with_name(target.name + ".tmp")
-    old = target.with_name(target.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write(tmp)
+    return tmp
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """fsync `tmp`, then make it `target`; `recover_dir` finds `target.old` if a crash comes in between."""
+    target = Path(target)
+    old = target.with_name(target.name + ".old")
     _fsync_tree(tmp)
     if target.exists():
         shutil.rmtree(old, ignore_errors=True)

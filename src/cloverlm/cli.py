@@ -99,8 +99,14 @@ def cmd_train(args) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    summary = Trainer(cfg, resume=args.resume).run()
-    print(json.dumps(summary))
+    from . import distributed
+
+    try:
+        summary = Trainer(cfg, resume=args.resume).run()
+        if distributed.is_main():
+            print(json.dumps(summary))
+    finally:
+        distributed.shutdown()
 
 
 def _load(args):

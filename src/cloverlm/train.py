@@ -4,6 +4,7 @@ Run: `clover train --preset clover-tiny --recipe default --minutes 60 --out runs
 Every batch and every mask is a pure function of (seed, step), and checkpoints hold the weights,
 optimizer and schedule state, so `--resume` replays exactly the steps an uninterrupted run takes.
 `--arch qwen3.5-moe` trains the same-size autoregressive peer (peer.py) on the same data and schedule.
+Under torchrun the same loop runs data-parallel (distributed.py): same global batch, same losses.
 """
 
 from __future__ import annotations
@@ -21,19 +22,20 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from . import peer
+from . import distributed, peer
 from .checkpoint import (
     atomic_write_dir,
     load_model,
     load_optimizer_file,
     load_optimizer_state,
     optimizer_tensors,
+    read_config,
     recover_dir,
     save_model,
 )
 from .config import CloverConfig, preset_config
 from .data import Batch, Mixture, build_default_tokenizer, heldout_examples, tokenize_stdlib
-from .diffusion import diffusion_loss, mask_blocks, sample_partition, uniform_partition
+from .diffusion import NoisedBatch, diffusion_loss, mask_blocks, sample_partition, uniform_partition
 from .errors import CloverError
 from .model import CloverForBlockDiffusion
 from .tokenizer import load_tokenizer
@@ -139,7 +141,7 @@ def copy_probe(model, examples, block_size: int) -> float:
     for ex in examples:
         if not ex.value_positions:
             continue
-        ids = torch.tensor([ex.ids])
+        ids = torch.tensor([ex.ids], device=model.device)
         noisy = ids.clone()
         noisy[0, ex.value_positions] = model.config.mask_token_id
         length = ids.shape[1]
@@ -199,7 +201,7 @@ class Evaluator:
         was_training = model.training
         model.eval()
         with autocast():
-            metrics = self.metrics(model, self.windows, self.probe)
+            metrics = self.metrics(model, self.windows.to(model.device), self.probe)
         metrics["copy"] = sum(metrics[f"copy_{t}_b1"] for t in self.probe) / len(self.probe)
         model.train(was_training)
         return metrics
@@ -215,6 +217,13 @@ class StepLoss:
     total: torch.Tensor  # what is backpropagated: the objective plus router balancing
     accuracy: torch.Tensor  # argmax accuracy on the scored positions
     autoregressive: bool  # the batch was scored as pure next-token prediction
+    scored: int  # how many positions the accuracy is over (to combine the ranks' accuracies)
+
+
+def rank_share(eligible: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Turns a loss normalised by this rank's eligible tokens into its estimate of the whole batch's:
+    the ELBO divides by the batch's eligible tokens, and DDP / FSDP average the ranks' gradients."""
+    return distributed.world_size() * eligible[rows].sum().clamp(min=1) / eligible.sum().clamp(min=1)
 
 
 class Arch(Protocol):
@@ -225,8 +234,12 @@ class Arch(Protocol):
 
     def save(self, model, tokenizer, folder: Path) -> None: ...
 
-    def loss(self, model, batch: Batch, stage: Stage, cfg: TrainConfig, step: int) -> StepLoss:
-        """The training loss of one batch; any randomness must be a function of (cfg.seed, step)."""
+    def loss(self, model, batch: Batch, stage: Stage, cfg: TrainConfig, step: int, rows: slice) -> StepLoss:
+        """The training loss of this process's `rows` of the global batch, normalised as the whole
+        batch's (rank_share); any randomness must be a function of (cfg.seed, step), not of the rows."""
+
+    def blank(self, folder: Path) -> torch.nn.Module:
+        """The folder's architecture (config.json) with untrained weights, for a sharded checkpoint to fill."""
 
     def after_optimizer_step(self, model) -> None:
         """Bookkeeping outside the gradient (Clover's routing-bias update)."""
@@ -247,10 +260,13 @@ class CloverArch:
     def load(self, folder):
         return load_model(folder)
 
+    def blank(self, folder):
+        return CloverForBlockDiffusion(read_config(CloverConfig, folder))
+
     def save(self, model, tokenizer, folder):
         save_model(model, tokenizer, folder)
 
-    def loss(self, model, batch, stage, cfg, step):
+    def loss(self, model, batch, stage, cfg, step, rows):
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         autoregressive = float(torch.rand(1, generator=generator)) < stage.ar_fraction
         if autoregressive:
@@ -258,9 +274,14 @@ class CloverArch:
         else:
             sizes, t_fixed = sample_partition(cfg.seq_len, stage.block_sizes, generator), None
         eligible = batch.eligible(stage.chat_mode)
+        # noise for the whole batch, then this rank's rows: each row is masked as in a 1-process run
         noised = mask_blocks(batch.input_ids, eligible, sizes, model.config.mask_token_id, generator, t_fixed=t_fixed)
-        loss, aux, stats = diffusion_loss(model, batch.input_ids, eligible, noised, sizes)
-        return StepLoss(loss, loss + model.config.router_aux_loss_coef * aux, stats["acc_masked"], autoregressive)
+        noised = NoisedBatch(noised.noisy_ids[rows], noised.masked[rows], noised.t[rows])
+        loss, aux, stats = diffusion_loss(model, batch.input_ids[rows], eligible[rows], noised, sizes)
+        if distributed.active():
+            loss = loss * rank_share(eligible, rows)
+        total = loss + model.config.router_aux_loss_coef * aux
+        return StepLoss(loss, total, stats["acc_masked"], autoregressive, stats["masked_tokens"])
 
     def after_optimizer_step(self, model):
         model.update_router_bias()
@@ -287,12 +308,21 @@ class PeerArch:
     def load(self, folder):
         return peer.load_peer(folder)
 
+    def blank(self, folder):
+        return peer.build_peer(read_config(peer.Qwen3_5MoeTextConfig, folder))
+
     def save(self, model, tokenizer, folder):
         peer.save_peer(model, tokenizer, folder)
 
-    def loss(self, model, batch, stage, cfg, step):
-        loss, aux, accuracy = peer.next_token_loss(model, batch.input_ids, batch.eligible(stage.chat_mode))
-        return StepLoss(loss, loss + model.config.router_aux_loss_coef * aux, accuracy, autoregressive=True)
+    def loss(self, model, batch, stage, cfg, step, rows):
+        eligible = batch.eligible(stage.chat_mode)
+        loss, aux, accuracy = peer.next_token_loss(model, batch.input_ids[rows], eligible[rows])
+        scored = eligible[:, 1:]  # position 0 is never predicted
+        if distributed.active():
+            # transformers' balancing loss sees this rank's tokens only: exact for the ELBO, not for aux
+            loss = loss * rank_share(scored, rows)
+        total = loss + model.config.router_aux_loss_coef * aux
+        return StepLoss(loss, total, accuracy, autoregressive=True, scored=int(scored[rows].sum()))
 
     def after_optimizer_step(self, model):
         pass  # balancing is the aux loss alone: Qwen3.5-MoE has no routing bias
@@ -326,6 +356,8 @@ class Trainer:
             raise CloverError(f"unknown arch '{cfg.arch}'; choose from: {', '.join(ARCHS)}")
         if cfg.seq_len % 64:
             raise CloverError(f"seq_len={cfg.seq_len} must be a multiple of 64 (the chunk size)")
+        self.device = distributed.init()
+        self.rows = distributed.shard_rows(cfg.batch_size)
         self.state = {"step": 0, "stage": 0, "stage_starts": [0], "max_steps": cfg.max_steps, "tokens_seen": 0}
         checkpoint = recover_dir(self.out / "checkpoint")
         if resume and checkpoint is None:
@@ -339,12 +371,15 @@ class Trainer:
                 raise CloverError(f"{self.out} is a run of --arch {saved_arch}; resume it with the same --arch")
             self.state = saved["state"]
             self.tokenizer = load_tokenizer(checkpoint)
-            self.model = self.arch.load(checkpoint).train()
+            sharded = saved.get("format") == "dcp"
+            if not sharded and distributed.active() and distributed.strategy() == "fsdp":
+                raise CloverError(f"{checkpoint} was saved by one process; resume it without torchrun or with CLOVER_PARALLEL=ddp")
+            self.model = (self.arch.blank(checkpoint) if sharded else self.arch.load(checkpoint)).train()
         elif cfg.init_from:  # fine-tune: the weights and tokenizer of a model folder, a fresh schedule
             self.tokenizer = load_tokenizer(cfg.init_from)
             self.model = self.arch.load(cfg.init_from).train()
         else:
-            self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else build_default_tokenizer()
+            self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else self._default_tokenizer()
             config = preset_config(
                 cfg.preset,
                 vocab_size=len(self.tokenizer),
@@ -355,6 +390,9 @@ class Trainer:
             )
             torch.manual_seed(cfg.seed)
             self.model = self.arch.build(config).train()
+        self.model.to(self.device)
+        # the training forward; evaluation, the optimizer and checkpoints use self.model itself
+        self.train_model = distributed.wrap(self.model) if distributed.active() else self.model
         decay, no_decay = [], []
         for name, param in self.model.named_parameters():
             (decay if param.ndim >= 2 and "embed" not in name else no_decay).append(param)
@@ -363,7 +401,9 @@ class Trainer:
             lr=cfg.lr,
             betas=(0.9, 0.95),
         )
-        if checkpoint is not None:
+        if checkpoint is not None and sharded:
+            distributed.load_sharded(checkpoint, self.model, self.optimizer, saved["optimizer"]["param_groups"])
+        elif checkpoint is not None:
             load_optimizer_state(
                 self.optimizer,
                 load_optimizer_file(checkpoint / "optimizer.safetensors"),
@@ -375,15 +415,30 @@ class Trainer:
         self.evaluator = Evaluator(self.tokenizer, cfg, tokenize_stdlib(self.tokenizer, "val", every=10), self.arch.metrics)
         self.log_path = self.out / "train_log.jsonl"
 
+    def _default_tokenizer(self):
+        if not distributed.active():
+            return build_default_tokenizer()
+        # BPE training is not promised to be deterministic: rank 0 trains it, the others read its files
+        folder = self.out / "tokenizer"
+        if distributed.is_main():
+            build_default_tokenizer().save_pretrained(folder)
+        distributed.barrier()
+        return load_tokenizer(folder)
+
     def autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
     def _log(self, record: dict) -> None:
+        if not distributed.is_main():
+            return
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, final: bool = False) -> None:
+        if distributed.active():
+            self._save_sharded(final)
+            return
         tensors, meta = optimizer_tensors(self.optimizer)
 
         def write(folder: Path):
@@ -394,26 +449,50 @@ class Trainer:
 
         atomic_write_dir(self.out / "checkpoint", write)
 
+    def _save_sharded(self, final: bool) -> None:
+        def write_main(folder: Path, param_groups: list, full_state: dict | None):
+            self.model.config.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+            if full_state is not None:  # the last checkpoint is also a model folder (clover generate, export)
+                model = self.arch.blank(folder)
+                model.load_state_dict(full_state)
+                self.arch.save(model, self.tokenizer, folder)
+            payload = {
+                "format": "dcp",
+                "state": self.state,
+                "optimizer": {"param_groups": param_groups},
+                "train_config": asdict(self.cfg),
+                "world_size": distributed.world_size(),
+            }
+            (folder / "train_state.json").write_text(json.dumps(payload, indent=1))
+
+        distributed.save_sharded(self.out / "checkpoint", self.model, self.optimizer, write_main, full=final)
+
     def train_step(self, step: int) -> dict:
         cfg, recipe = self.cfg, self.recipe
         stage = recipe.stages[self.state["stage"]]
-        batch = self.mixture.batch(cfg.seed, step, cfg.batch_size)
+        batch = self.mixture.batch(cfg.seed, step, cfg.batch_size)  # the global batch; self.rows are ours
+        if self.device.type != "cpu":
+            batch = Batch(batch.input_ids.to(self.device), batch.is_prompt.to(self.device), batch.is_pad.to(self.device))
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg, self.state["max_steps"])
         with self.autocast():
-            step_loss = self.arch.loss(self.model, batch, stage, cfg, step)
+            step_loss = self.arch.loss(self.train_model, batch, stage, cfg, step, self.rows)
         step_loss.total.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        grad_norm = distributed.clip_grad_norm(self.model, cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.arch.after_optimizer_step(self.model)
         tokens = int((~batch.is_pad).sum())
         self.state["tokens_seen"] += tokens
+        loss, accuracy = float(step_loss.loss.detach()), float(step_loss.accuracy)
+        if distributed.active():
+            loss, accuracy = distributed.batch_mean(loss, accuracy, step_loss.scored)
         return {
             "step": step,
-            "loss": round(float(step_loss.loss.detach()), 5),
-            "acc_masked": round(float(step_loss.accuracy), 4),
-            "grad_norm": round(float(grad_norm), 4),
+            "loss": round(loss, 5),
+            "acc_masked": round(accuracy, 4),
+            "grad_norm": round(grad_norm, 4),
             "lr": group["lr"],
             "stage": self.state["stage"],
             "ar": step_loss.autoregressive,
@@ -460,13 +539,16 @@ class Trainer:
         if self.state["max_steps"] is None:
             if cfg.minutes is None:
                 raise CloverError("give --max-steps or --minutes")
-            self.state["max_steps"] = self.calibrate_steps()
+            self.state["max_steps"] = int(distributed.from_main(self.calibrate_steps()))  # timings differ by rank
             self._log({"event": "calibrated", "max_steps": self.state["max_steps"], "minutes": cfg.minutes})
         max_steps = self.state["max_steps"]
         start_step = self.state["step"]
         last_checkpoint = time.monotonic()
         metrics = None
-        bar = tqdm(range(start_step, max_steps), initial=start_step, total=max_steps, desc="train", dynamic_ncols=True)
+        bar = tqdm(
+            range(start_step, max_steps), initial=start_step, total=max_steps, desc="train", dynamic_ncols=True,
+            disable=not distributed.is_main(),
+        )
         started = time.perf_counter()
         tokens_this_run = 0
         for step in bar:
@@ -479,17 +561,19 @@ class Trainer:
             last = step + 1 == max_steps
             metrics = None
             if (step + 1) % cfg.eval_every == 0 or last:
-                metrics = self.evaluator(self.model, self.autocast)
+                metrics = self.evaluator(self.model, self.autocast)  # on every rank: FSDP's forward is collective
+                metrics["copy"] = distributed.from_main(metrics["copy"])  # one stage decision for all ranks
                 self._log({"event": "eval", "step": step + 1, **{k: round(v, 4) for k, v in metrics.items()}})
-                bar.write(f"step {step + 1}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+                if distributed.is_main():
+                    bar.write(f"step {step + 1}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
             self._maybe_advance_stage(step + 1, metrics)
             due = (
                 (step + 1) % cfg.checkpoint_every == 0
                 if cfg.checkpoint_every
-                else time.monotonic() - last_checkpoint > cfg.checkpoint_minutes * 60
+                else bool(distributed.from_main(time.monotonic() - last_checkpoint > cfg.checkpoint_minutes * 60))
             )
             if due or last:
-                self.save_checkpoint()
+                self.save_checkpoint(final=last)
                 last_checkpoint = time.monotonic()
         bar.close()
         return {"steps": self.state["step"], "tokens_seen": self.state["tokens_seen"], "final_eval": metrics}
