@@ -75,7 +75,9 @@ def test_two_processes_take_the_steps_of_one(tmp_path, reference):
     checkpoint = out / "checkpoint"
     state = json.loads((checkpoint / "train_state.json").read_text())
     assert state["format"] == "dcp" and state["world_size"] == 2 and state["state"]["step"] == 3
-    assert len(list(checkpoint.glob("*.distcp"))) == 2
+    # one safetensors shard per rank, and no pickled DCP .metadata anywhere
+    assert len(list((checkpoint / "shards").glob("*.safetensors"))) == 2
+    assert not list(checkpoint.rglob("*.metadata")) and not list(checkpoint.rglob("*.distcp"))
     # the last checkpoint is also a model folder, as a single-process run's is
     mine, theirs = load_file(str(checkpoint / "model.safetensors")), load_file(str(reference / "checkpoint/model.safetensors"))
     assert mine.keys() == theirs.keys()

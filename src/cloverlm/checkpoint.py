@@ -109,9 +109,10 @@ def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32) -> C
 
 
 def _fsync_tree(folder: Path) -> None:
-    for file in folder.iterdir():
-        with open(file, "rb") as handle:
-            os.fsync(handle.fileno())
+    for file in folder.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
 
 
 def atomic_write_dir(target: Path, write) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -159,6 +160,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 # ----------------------------------------------------------------------------------------------
 # Checkpoints
 
+SHARDS = "shards"  # the sharded tensors' subfolder of a checkpoint (one safetensors file per rank)
+
 
 def save_sharded(
     target: Path,
@@ -175,10 +178,16 @@ def save_sharded(
     """
     target = Path(target)
     model_state, optim_state = get_state_dict(model, optimizer)
+    model_state = _without_tied(model_state)
     tmp = fresh_tmp_dir(target) if is_main() else target.with_name(target.name + ".tmp")
     barrier()
-    # Tensors only: the hyperparameters go to JSON, so no shard holds a pickled Python object.
-    dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=tmp)
+    # Tensors only, as safetensors shards whose headers carry DCP's sharding metadata: DCP's default
+    # writer would add a pickled `.metadata` file, and cloverlm never loads pickles. The hyperparameters
+    # go to JSON.
+    dcp.save(
+        {"model": model_state, "optimizer": optim_state["state"]},
+        storage_writer=HuggingFaceStorageWriter(str(tmp / SHARDS), save_distributed=True),
+    )
     state = full_state_dict(model) if full else None
     if is_main():
         write_main(tmp, optim_state["param_groups"], state)
@@ -191,14 +200,28 @@ def save_sharded(
 def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, param_groups: list) -> None:
     """Fill `model` and `optimizer` from a DCP checkpoint, resharded to this run's world size (1 works too)."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state["state"]}
-    dcp.load(state, checkpoint_id=folder)
+    state = {"model": _without_tied(model_state), "optimizer": optim_state["state"]}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(Path(folder) / SHARDS)))
     set_state_dict(
         model,
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict={"state": state["optimizer"], "param_groups": param_groups},
+        options=StateDictOptions(strict=False),  # a tied weight is filled through its first name
     )
+
+
+def _without_tied(state: dict) -> dict:
+    """The state without second names for one tensor (tied embeddings): safetensors refuses to store
+    shared memory twice, and loading the first name fills both."""
+    seen, kept = set(), {}
+    for name, tensor in state.items():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if key not in seen:
+            seen.add(key)
+            kept[name] = tensor
+    return kept
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
