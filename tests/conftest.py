@@ -1,3 +1,6 @@
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -50,3 +53,13 @@ def random_model(tokenizer):
 @pytest.fixture
 def model():
     return tiny_model()
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Step -> logged training loss of a run folder (shared by the resume and distributed tests)."""
+    out = {}
+    for line in (run / "train_log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]  # a replayed step overwrites the killed run's entry
+    return out

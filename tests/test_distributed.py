@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from cloverlm import CloverError, distributed
 from cloverlm.checkpoint import load_model
+from conftest import losses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,15 +42,6 @@ def train(*command, out: Path, env=None, timeout=600):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return result
-
-
-def losses(run: Path) -> dict[int, float]:
-    out = {}
-    for line in (run / "train_log.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]  # a replayed step overwrites the killed run's entry
-    return out
 
 
 def assert_same_losses(run: Path, reference: Path):

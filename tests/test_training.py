@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from cloverlm import CloverError
 from cloverlm.checkpoint import load_model, save_model
 from cloverlm.diffusion import diffusion_loss, mask_blocks, sample_partition, uniform_partition
-from conftest import tiny_model
+from conftest import losses, tiny_model
 
 
 def test_partition_covers_sequence_without_crossing_chunks():
@@ -154,15 +153,6 @@ TRAIN_ARGS = [
     "--set", "shared_expert_intermediate_size=32", "--set", "linear_key_head_dim=8",
     "--set", "linear_value_head_dim=8", "--set", "head_dim=8",
 ]  # fmt: skip
-
-
-def losses(run: Path) -> dict[int, float]:
-    out = {}
-    for line in (run / "train_log.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]  # a replayed step overwrites the killed run's entry
-    return out
 
 
 def test_resume_after_sigkill_replays_the_same_losses(tmp_path, small_tokenizer):
