@@ -122,10 +122,15 @@ def atomic_write_dir(target: Path, write) -> None:
     swap_in(tmp, target)
 
 
-def fresh_tmp_dir(target: Path) -> Path:
-    """The empty folder a new version of `target` is written into before `swap_in`."""
+def tmp_dir(target: Path) -> Path:
+    """Where a new version of `target` is written before `swap_in`."""
     target = Path(target)
-    tmp = target.with_name(target.name + ".tmp")
+    return target.with_name(target.name + ".tmp")
+
+
+def fresh_tmp_dir(target: Path) -> Path:
+    """`tmp_dir(target)`, emptied and created."""
+    tmp = tmp_dir(target)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp

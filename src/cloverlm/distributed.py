@@ -7,7 +7,8 @@ the model is sharded with FSDP2 (`fully_shard`, nccl); on CPU it is replicated w
 `--batch-size` stays the global batch: every rank builds the batch of step s (a pure function of
 seed and step) and trains on its own contiguous slice of the rows, so N processes take the same steps
 as one. Checkpoints are torch.distributed.checkpoint (DCP) shards of the model and optimizer tensors,
-the rest as JSON; a run's last checkpoint also gets the full model.safetensors from rank 0.
+written as safetensors (no pickles), the rest as JSON; a run's last checkpoint also gets the full
+model.safetensors from rank 0.
 Without torchrun nothing here is active and training is the single-process path.
 """
 
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import fresh_tmp_dir, swap_in
+from .checkpoint import fresh_tmp_dir, swap_in, tmp_dir
 from .errors import CloverError
 
 STRATEGIES = ("ddp", "fsdp")
@@ -179,7 +180,7 @@ def save_sharded(
     target = Path(target)
     model_state, optim_state = get_state_dict(model, optimizer)
     model_state = _without_tied(model_state)
-    tmp = fresh_tmp_dir(target) if is_main() else target.with_name(target.name + ".tmp")
+    tmp = fresh_tmp_dir(target) if is_main() else tmp_dir(target)
     barrier()
     # Tensors only, as safetensors shards whose headers carry DCP's sharding metadata: DCP's default
     # writer would add a pickled `.metadata` file, and cloverlm never loads pickles. The hyperparameters
@@ -201,13 +202,13 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     """Fill `model` and `optimizer` from a DCP checkpoint, resharded to this run's world size (1 works too)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": _without_tied(model_state), "optimizer": optim_state["state"]}
+    # DCP loads in place, so filling a tied tensor under its first name fills `model_state` under both.
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(Path(folder) / SHARDS)))
     set_state_dict(
         model,
         optimizer,
-        model_state_dict=state["model"],
+        model_state_dict=model_state,
         optim_state_dict={"state": state["optimizer"], "param_groups": param_groups},
-        options=StateDictOptions(strict=False),  # a tied weight is filled through its first name
     )
 
 

@@ -444,10 +444,14 @@ class Trainer:
         def write(folder: Path):
             self.arch.save(self.model, self.tokenizer, folder)
             save_file(tensors, str(folder / "optimizer.safetensors"))
-            payload = {"state": self.state, "optimizer": meta, "train_config": asdict(self.cfg)}
-            (folder / "train_state.json").write_text(json.dumps(payload, indent=1))
+            self._write_train_state(folder, meta)
 
         atomic_write_dir(self.out / "checkpoint", write)
+
+    def _write_train_state(self, folder: Path, optimizer_meta: dict, **extra) -> None:
+        """train_state.json: the schedule, the optimizer's non-tensor state and the run's config."""
+        payload = {"state": self.state, "optimizer": optimizer_meta, "train_config": asdict(self.cfg), **extra}
+        (folder / "train_state.json").write_text(json.dumps(payload, indent=1))
 
     def _save_sharded(self, final: bool) -> None:
         def write_main(folder: Path, param_groups: list, full_state: dict | None):
@@ -457,14 +461,7 @@ class Trainer:
                 model = self.arch.blank(folder)
                 model.load_state_dict(full_state)
                 self.arch.save(model, self.tokenizer, folder)
-            payload = {
-                "format": "dcp",
-                "state": self.state,
-                "optimizer": {"param_groups": param_groups},
-                "train_config": asdict(self.cfg),
-                "world_size": distributed.world_size(),
-            }
-            (folder / "train_state.json").write_text(json.dumps(payload, indent=1))
+            self._write_train_state(folder, {"param_groups": param_groups}, format="dcp", world_size=distributed.world_size())
 
         distributed.save_sharded(self.out / "checkpoint", self.model, self.optimizer, write_main, full=final)
 
