@@ -22,7 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from cloverlm import train
 from cloverlm.config import preset_config
-from cloverlm.data import Batch, encode_example
+from cloverlm.data import Batch, Mixture, encode_example
 from cloverlm.tasks import Example
 from cloverlm.tokenizer import load_tokenizer
 
@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokenizer", default="models/clover-tiny")
+    parser.add_argument("--task", help="train on this task generator instead of random strings")
+    parser.add_argument("--messages", type=int, default=1, help="no_fly_zones messages per prompt (with --task)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.tokenizer)
@@ -94,8 +96,14 @@ def main() -> None:
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     started = time.perf_counter()
+    if args.task:
+        sizes = {"no_fly_zones": {"n_messages": (args.messages, args.messages)}}
+        mixture = Mixture(tokenizer, {args.task: 1.0}, args.seq_len, None, sizes)
     for step in range(args.steps):
-        batch = copy_batch(tokenizer, step, args.rows, args.seq_len, args.alphabet, (args.min_len, args.max_len))
+        if args.task:
+            batch = mixture.batch(0, step, args.rows)
+        else:
+            batch = copy_batch(tokenizer, step, args.rows, args.seq_len, args.alphabet, (args.min_len, args.max_len))
         for group in optimizer.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 20)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -107,7 +115,7 @@ def main() -> None:
         if args.arch == "clover":
             model.update_router_bias()
         if step % 25 == 0 or step + 1 == args.steps:
-            print(f"{step} loss={float(loss):.3f} acc={float(accuracy):.3f} {time.perf_counter() - started:.0f}s", flush=True)
+            print(f"{step} loss={loss.item():.3f} acc={accuracy.item():.3f} {time.perf_counter() - started:.0f}s", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from cloverlm.tokenizer import (
     TOOL_CALL_START,
     TOOLS_END,
     TOOLS_START,
+    digit_groups,
     format_chat,
     load_tokenizer,
     train_tokenizer,
@@ -83,12 +84,20 @@ def test_special_tokens_in_text(tok):
     assert tok.decode(ids) == "a [MASK] b<|im_start|>user"
 
 
-def test_digits_are_single_tokens(tok):
-    digit_ids = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
-    assert tok.encode("0123456789") == digit_ids
-    ids = tok.encode("x = 1234567 + 42.5e10")
-    pieces = [tok.decode([i]) for i in ids]
-    assert all(len(p) == 1 for p in pieces if any(c.isdigit() for c in p))
+def test_numbers_are_cut_into_three_digit_groups(tok):
+    pieces = [tok.decode([i]) for i in tok.encode("x = 1234567 + 42.5e10, id 007")]
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == ["123", "456", "7", "42", "5", "10", "007"]
+
+
+def test_every_digit_group_is_one_token(tok):
+    groups = digit_groups()
+    assert len(groups) == 1110 and len(set(groups)) == 1110
+    assert all(len(tok.encode(g)) == 1 for g in groups)
+
+
+def test_too_small_vocab_for_digit_groups_is_refused():
+    with pytest.raises(ValueError, match="vocab_size 600 leaves .* digit groups without a token"):
+        train_tokenizer(["def f(x):\n    return x\n"], vocab_size=600)
 
 
 @pytest.mark.parametrize(
