@@ -44,6 +44,16 @@ def tokenizer():
     return load_tokenizer("models/clover-tiny")
 
 
+@pytest.fixture(scope="session")
+def small_tokenizer(tmp_path_factory) -> Path:
+    """A folder with a tokenizer built by the default recipe at a small vocabulary (fast to embed)."""
+    from cloverlm.data import build_default_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    build_default_tokenizer(vocab_size=2048, task_samples=20).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def random_model(tokenizer):
     """A tiny random model over the shipped tokenizer's vocabulary."""

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from cloverlm import CloverError, preset_config
 from cloverlm.checkpoint import load_model
 from cloverlm.config import parameter_counts
+from cloverlm.data import heldout_examples
 from cloverlm.peer import build_peer, load_peer, next_token_loss, peer_config, peer_generate, save_peer
+from cloverlm.tasks import get_task
 from conftest import TINY
 
 
@@ -125,15 +127,6 @@ def test_bad_peer_checkpoints_get_one_line_errors(tmp_path):
 # Training with the shared trainer
 
 
-@pytest.fixture(scope="module")
-def small_tokenizer(tmp_path_factory):
-    from cloverlm.data import build_default_tokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    build_default_tokenizer(vocab_size=1024, task_samples=20).save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture
 def stdlib_tokenized_once(monkeypatch):
     """Every Trainer tokenizes the stdlib (~20 s); the runs of one test share a tokenizer, so once is enough."""
@@ -219,7 +212,7 @@ def test_unknown_arch_is_a_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err == "error: unknown arch 'gpt-2'; choose from: clover, qwen3.5-moe\n"
 
 
-def test_cli_generates_from_a_peer_folder_and_eval_refuses_it(tmp_path, small_tokenizer, capsys):
+def test_cli_generates_and_evaluates_from_a_peer_folder(tmp_path, small_tokenizer, capsys):
     from cloverlm.cli import main
     from cloverlm.tokenizer import load_tokenizer
 
@@ -233,6 +226,15 @@ def test_cli_generates_from_a_peer_folder_and_eval_refuses_it(tmp_path, small_to
     expected = peer_generate(model, tokenizer("def main():", add_special_tokens=False)["input_ids"], 6, stops)
     assert out == tokenizer.decode(expected) + "\n"
     assert err.strip() == f"[{len(expected)} tokens, autoregressive: one forward per token]"
+    report_path = tmp_path / "eval.json"
+    main(["eval", "--model", str(tmp_path / "peer"), "--n", "1", "--tasks", "no_fly_zones", "--messages", "1",
+          "--json", str(report_path)])  # fmt: skip
+    (example,) = heldout_examples(tokenizer, "no_fly_zones", 1, 1 << 30, n_messages=1)
+    tokens = peer_generate(model, example.ids[: example.prompt_length], len(example.ids) - example.prompt_length + 16, stops)
+    report = json.loads(report_path.read_text())["no_fly_zones"]
+    assert report["new_tokens"] == len(tokens) and report["tokens_per_forward"] == 1.0
+    assert report["zone_exact_match"] == get_task("no_fly_zones").check(example.example, tokenizer.decode(tokens))["zone_exact_match"]
+    capsys.readouterr()
     with pytest.raises(SystemExit):
-        main(["eval", "--model", str(tmp_path / "peer"), "--n", "1"])
-    assert capsys.readouterr().err.startswith("error: clover eval decodes Clover models only")
+        main(["eval", "--model", str(tmp_path / "peer"), "--messages", "0"])
+    assert capsys.readouterr().err == "error: --messages must be at least 1, got 0\n"

@@ -96,8 +96,8 @@ def test_every_digit_group_is_one_token(tok):
 
 
 def test_too_small_vocab_for_digit_groups_is_refused():
-    with pytest.raises(ValueError, match="vocab_size 600 leaves .* digit groups without a token"):
-        train_tokenizer(["def f(x):\n    return x\n"], vocab_size=600)
+    with pytest.raises(ValueError, match="vocab_size must be at least 1365 .* got 1364"):
+        train_tokenizer(["def f(x):\n    return x\n"], vocab_size=1364)
 
 
 @pytest.mark.parametrize(

@@ -137,15 +137,6 @@ def test_info_json_reports_counts():
     assert 33e9 < info["total_params"] < 37e9 and 2.85e9 < info["active_params"] < 3.15e9
 
 
-@pytest.fixture(scope="module")
-def small_tokenizer(tmp_path_factory):
-    from cloverlm.data import build_default_tokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    build_default_tokenizer(vocab_size=1024, task_samples=20).save_pretrained(folder)
-    return folder
-
-
 TRAIN_ARGS = [
     "--seq-len", "512", "--batch-size", "2", "--eval-every", "4", "--probe-examples", "1",
     "--checkpoint-every", "1", "--max-steps", "7", "--threads", "1",

@@ -1,19 +1,45 @@
-"""Per-task accuracy on held-out prompts, decoded by the engine (all prompts of a task batched)."""
+"""Per-task accuracy on held-out prompts, for Clover (decoded by the engine, all prompts of a task
+batched) and for its autoregressive peer (transformers' generate, one prompt at a time)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 from tqdm import tqdm
 
 from . import tasks
-from .data import heldout_examples
+from .data import TokenizedExample, heldout_examples
 from .engine import DecodeParams, Engine, Request
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
     """End of text and end of the assistant turn."""
     return (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+
+def _answer_budget(encoded: TokenizedExample) -> int:
+    return len(encoded.ids) - encoded.prompt_length + 16
+
+
+def _clover_completions(model, examples, stop_ids, *, block_size, threshold, batch_size, calibration) -> Iterator:
+    engine = Engine(model, max_batch_size=batch_size, calibration=calibration)
+    for index, encoded in enumerate(examples):
+        params = DecodeParams(
+            max_new_tokens=_answer_budget(encoded), block_size=block_size, threshold=threshold, stop_token_ids=stop_ids
+        )
+        engine.submit(Request(encoded.ids[: encoded.prompt_length], params, request_id=index))
+    while engine.has_work():
+        for completion in engine.step():
+            yield completion.request_id, completion.tokens, completion.forwards
+
+
+def _peer_completions(model, examples, stop_ids) -> Iterator:
+    from .peer import peer_generate
+
+    for index, encoded in enumerate(examples):
+        tokens = peer_generate(model, encoded.ids[: encoded.prompt_length], _answer_budget(encoded), stop_ids)
+        yield index, tokens, len(tokens)  # one forward per token
 
 
 def evaluate_tasks(
@@ -26,39 +52,34 @@ def evaluate_tasks(
     threshold: float = 1.0,
     batch_size: int = 8,
     calibration=None,
+    sizes: dict[str, dict[str, int]] | None = None,
 ) -> dict:
-    """Mean of each checker field over `count` held-out prompts per task, plus tokens per forward.
-    block_size="auto" needs the model's `calibration`."""
+    """Mean of each checker field over `count` held-out prompts per task, plus the tokens generated and
+    tokens per forward.
+    `model` is Clover or the peer (the decoding options are Clover's); `sizes` gives a generator's size
+    arguments by task (e.g. {"no_fly_zones": {"n_messages": 4}}); block_size="auto" needs `calibration`."""
+    is_clover = model.config.model_type == "clover"
     report = {}
     for name in task_names:
         task = tasks.get_task(name)
-        examples = heldout_examples(tokenizer, name, count, 1 << 30)
-        requests = []
-        for index, encoded in enumerate(examples):
-            answer_tokens = len(encoded.ids) - encoded.prompt_length
-            params = DecodeParams(
-                max_new_tokens=answer_tokens + 16,
-                block_size=block_size,
-                threshold=threshold,
-                stop_token_ids=stop_token_ids(tokenizer),
-            )
-            requests.append(Request(encoded.ids[: encoded.prompt_length], params, request_id=index))
-        engine = Engine(model, max_batch_size=batch_size, calibration=calibration)
-        for request in requests:
-            engine.submit(request)
+        examples = heldout_examples(tokenizer, name, count, 1 << 30, **(sizes or {}).get(name, {}))
+        if is_clover:
+            completions = _clover_completions(
+                model, examples, stop_token_ids(tokenizer), block_size=block_size, threshold=threshold,
+                batch_size=batch_size, calibration=calibration,
+            )  # fmt: skip
+        else:
+            completions = _peer_completions(model, examples, stop_token_ids(tokenizer))
         started = time.perf_counter()
         totals: dict[str, float] = {}
         tokens = forwards = 0
-        with tqdm(total=len(requests), desc=name, leave=False) as bar:
-            while engine.has_work():
-                for completion in engine.step():
-                    scores = task.check(examples[completion.request_id].example, tokenizer.decode(completion.tokens))
-                    for key, value in scores.items():
-                        totals[key] = totals.get(key, 0.0) + value
-                    tokens += len(completion.tokens)
-                    forwards += completion.forwards
-                    bar.update()
+        for index, generated, used in tqdm(completions, total=len(examples), desc=name, leave=False):
+            for key, value in task.check(examples[index].example, tokenizer.decode(generated)).items():
+                totals[key] = totals.get(key, 0.0) + value
+            tokens += len(generated)
+            forwards += used
         report[name] = {key: round(value / count, 4) for key, value in totals.items()}
+        report[name]["new_tokens"] = tokens
         report[name]["tokens_per_forward"] = round(tokens / max(forwards, 1), 3)
         report[name]["seconds"] = round(time.perf_counter() - started, 1)
     return report

@@ -8,7 +8,8 @@ place in a digit string from another, with a thousand it can.
 
 from __future__ import annotations
 
-import itertools
+import json
+import re
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -41,8 +42,6 @@ SPECIAL_TOKENS = (
 )
 
 MODEL_MAX_LENGTH = 1 << 30
-# How often the trainer sees each digit group: enough for BPE to merge all of them into tokens.
-DIGIT_GROUP_REPEATS = 1000
 
 
 def chat_template() -> str:
@@ -63,13 +62,22 @@ def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
 
 
 def digit_groups() -> list[str]:
-    """Every string of one to three digits ("0" ... "999", "00" ... "099", "000" ... "099")."""
+    """Every string of one to three digits ("0" ... "9", "00" ... "99", "000" ... "999")."""
     return [f"{n:0{width}d}" for width in (1, 2, 3) for n in range(10**width)]
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts``; the special tokens take ids 0..8 and every digit
-    group of `digit_groups` gets a token of its own."""
+    group of `digit_groups` is one token.
+
+    BPE learns merges from the texts with the digits left out, and the 1,100 groups of two and three
+    digits join the vocabulary as whole words (``ignore_merges``: a pre-token found in the vocabulary is
+    one token). The pre-tokenizer isolates digit groups, so no merge ever spans a digit and a non-digit.
+    """
+    multi_digit = [g for g in digit_groups() if len(g) > 1]
+    base = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < base + len(multi_digit):
+        raise ValueError(f"vocab_size must be at least {base + len(multi_digit)} (bytes, special tokens and digit groups), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -79,17 +87,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> PreTrainedT
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(multi_digit),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    groups = " ".join(digit_groups())
-    tok.train_from_iterator(itertools.chain(texts, itertools.repeat(groups, DIGIT_GROUP_REPEATS)), trainer=trainer)
-    missing = [g for g in digit_groups() if tok.token_to_id(g) is None]
-    if missing:
-        raise ValueError(f"vocab_size {vocab_size} leaves {len(missing)} digit groups without a token (e.g. {missing[0]!r})")
-    return _wrap(tok)
+    tok.train_from_iterator((re.sub(r"\d+", "", text) for text in texts), trainer=trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for group in multi_digit:
+        vocab[group] = len(vocab)
+    spec["model"]["ignore_merges"] = True
+    return _wrap(Tokenizer.from_str(json.dumps(spec)))
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

@@ -73,10 +73,10 @@ RECIPES = {
     # the model copies repeated sequences within 100 steps when they are all it sees.
     "default": Recipe(
         mixture={
-            "stdlib": 0.1,
-            "repeat": 0.2,
-            "no_fly_zones": 0.35,
-            "kv_retrieval": 0.2,
+            "stdlib": 0.05,
+            "repeat": 0.15,
+            "no_fly_zones": 0.5,
+            "kv_retrieval": 0.15,
             "tool_call": 0.1,
             "arithmetic": 0.05,
         },
@@ -87,10 +87,10 @@ RECIPES = {
             Stage([1, 4, 8, 16, 32], 0.25, chat_mode=True),
         ],
         copy_threshold=0.8,
-        warmup_max_fraction=0.6,
+        warmup_max_fraction=0.65,
         task_sizes={
-            "no_fly_zones": {"n_messages": (1, 8)},
-            "kv_retrieval": {"n_pairs": (4, 30)},
+            "no_fly_zones": {"n_messages": (1, 4)},
+            "kv_retrieval": {"n_pairs": (4, 16)},
             "repeat": {"n_items": (2, 16)},
         },
     ),
