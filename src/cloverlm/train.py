@@ -67,10 +67,10 @@ RECIPES = {
     # Design section 3: next-token warm-up until the model copies, then widen 1 -> 4 -> 16 -> 32, always
     # keeping some pure B = 1 batches. Answer-only loss on task rows (random digits in prompts are pure
     # noise to a language-model loss). Copying is the scarce skill on a CPU budget, so the mixture is
-    # built for it: short prompts (1-8 messages, 4-30 pairs) pack many copy events into each step, and
-    # the `repeat` task trains copying on its own. Measured here: a whole-length mixture (2-20 messages,
-    # 2,368-token rows) had not started copying after 875 next-token steps (models/README.md), while
-    # the model copies repeated sequences within 100 steps when they are all it sees.
+    # built for it: short prompts (1-4 messages, 4-16 pairs) pack many copy events into each step, half
+    # the rows are no-fly zones, and the `repeat` task trains copying on its own. Measured here: 1-8
+    # messages at 35% had not started copying after 1,200 steps (models/README.md); the peer trained on
+    # one-message no-fly prompts alone starts copying at about 1,200 steps of 2,048 tokens.
     "default": Recipe(
         mixture={
             "stdlib": 0.05,
