@@ -127,8 +127,8 @@ def test_a_message_longer_than_the_limit_alone_is_an_error(tokenizer):
 
 
 def test_answer_budget_grows_with_the_messages_up_to_five_zones():
-    assert answer_token_budget(1) == 116 and answer_token_budget(3) == 316
-    assert answer_token_budget(20) == answer_token_budget(5000) == 516
+    assert answer_token_budget(1) == 96 and answer_token_budget(3) == 256
+    assert answer_token_budget(20) == answer_token_budget(5000) == 416
 
 
 def test_decode_view_splits_blocks_and_drops_the_prompts_leftover(tokenizer):
@@ -183,6 +183,13 @@ def test_checker_on_a_partly_wrong_answer():
     assert scores["zone_exact_match"] == pytest.approx(2 / 3) and scores["count"] == 0.0
 
 
+def test_checker_when_there_is_no_zone_to_find():
+    scores = check([], "[]<|im_end|>")
+    assert scores["zone_exact_match"] == scores["field/lat"] == scores["exact"] == scores["count"] == 1.0
+    scores = check([], dumps([ZONE_A]))
+    assert scores["zone_exact_match"] == scores["field/lat"] == scores["count"] == 0.0
+
+
 @pytest.mark.parametrize(
     "output",
     ["", "no zones today", "[[[[", '{"id": "A1234/26"}', "[1, 2, 3]",
@@ -190,6 +197,7 @@ def test_checker_on_a_partly_wrong_answer():
      dumps([ZONE_A])[:-1]],  # cut off before the closing bracket
 )  # fmt: skip
 def test_garbage_and_truncated_answers_parse_to_no_zones_and_score_zero(output):
+    assert check([], output)["zone_exact_match"] == 0.0  # with no zone to find, only a list is right
     assert parse_zones(output) == []
     scores = check([ZONE_A], output)
     assert scores["zone_exact_match"] == 0.0 and scores["field/id"] == 0.0

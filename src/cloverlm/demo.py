@@ -41,12 +41,12 @@ from .tokenizer import SPECIAL_TOKENS, format_chat, load_tokenizer
 TASK = "no_fly_zones"
 GENERATED_MESSAGES = 20
 # The prompt (chat template included) may hold at most this many tokens: about 50 messages. The
-# models were trained on 2,368-token rows; beyond a few thousand tokens they are on unseen ground.
+# models were trained on 1,024-token rows; beyond a few thousand tokens they are on unseen ground.
 PROMPT_TOKEN_LIMIT = 4096
-# Answer budget: a zone's JSON object is about 94 tokens (digits are one token each); the generator
+# Answer budget: a zone's JSON object is at most 72 tokens (numbers in groups of three digits); the generator
 # hides at most 5 zones among its messages, so no trained answer is longer than 5 of them. The slack
 # covers the list's brackets and the end of the turn.
-TOKENS_PER_ZONE = 100
+TOKENS_PER_ZONE = 80
 MAX_ZONES = 5
 ANSWER_SLACK = 16
 MAP_FILE, STRIP_FILE = "no_fly_zones.png", "denoising.png"

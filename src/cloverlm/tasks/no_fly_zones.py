@@ -139,10 +139,12 @@ class NoFlyZones:
         pred = parse_zones(output)
         matched = [next((p for p in pred if same(p.get("id"), t["id"])), {}) for t in truth]
         scores = {"parsed": float(parsed is not None)}
-        scores |= {f"field/{f}": mean(same(m.get(f), t[f]) for m, t in zip(matched, truth)) for f in FIELDS}
-        scores["zone_exact_match"] = sum(same(m, t) for m, t in zip(matched, truth)) / max(
-            len(truth), len(pred), 1
-        )
+        if truth:
+            scores |= {f"field/{f}": mean(same(m.get(f), t[f]) for m, t in zip(matched, truth)) for f in FIELDS}
+            scores["zone_exact_match"] = sum(same(m, t) for m, t in zip(matched, truth)) / max(len(truth), len(pred))
+        else:  # no zone to find: right exactly when the answer is the empty list
+            right = float(parsed == [])
+            scores |= {f"field/{f}": right for f in FIELDS} | {"zone_exact_match": right}
         scores["count"] = float(len(pred) == len(truth))
         scores["exact"] = float(same(parsed, truth))
         return scores
