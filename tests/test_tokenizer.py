@@ -249,7 +249,14 @@ def test_stop_strings_keep_the_fewest_tokens_and_cut_the_text_exactly(tok):
     stop = StopStrings(tok, ["\n\n", "delta", ""])
     keep = stop(ids)
     kept_text = tok.decode(ids[:keep])
-    assert kept_text.startswith("alpha beta") and len(tok.decode(ids[: keep - 1])) < len("alpha beta")
+    assert "\n\n" in kept_text and stop.find(tok.decode(ids[: keep - 1])) is None
     assert stop.cut(kept_text) == stop.cut(text) == "alpha beta"
     assert stop(tok("no stop here", add_special_tokens=False)["input_ids"]) is None
     assert StopStrings(tok, ["ta"]).cut(text) == "alpha be"
+    # a stop string that begins inside a token: the kept tokens still hold all of it, so the cut finds it
+    pieces = [tok.decode([i]) for i in ids]
+    first = next(k for k, piece in enumerate(pieces) if len(piece) >= 2)
+    start = len("".join(pieces[: first + 1])) - 1  # the last character of a multi-character token
+    inside = StopStrings(tok, [text[start : start + 2]])
+    assert text.find(text[start : start + 2]) == start
+    assert inside.cut(tok.decode(ids[: inside(ids)])) == text[:start]

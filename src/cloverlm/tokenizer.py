@@ -138,8 +138,9 @@ class StopStrings:
     """Stop strings for the token-level engine (`DecodeParams.stop`).
 
     Called with the generated token ids after each block, it returns how many tokens to keep once the
-    decoded text contains a stop string (the fewest whose text covers everything before it), else
-    None. `cut` then trims the decoded text exactly at the first stop string.
+    decoded text contains a stop string: the fewest whose text holds a whole stop string (a stop string
+    may begin inside a token, so covering only the text before it would lose it), else None. `cut`
+    then trims the decoded text exactly at the first stop string.
     """
 
     def __init__(self, tokenizer, strings: Sequence[str]):
@@ -155,13 +156,12 @@ class StopStrings:
         return text if index is None else text[:index]
 
     def __call__(self, tokens: list[int]) -> int | None:
-        index = self.find(self.tokenizer.decode(tokens))
-        if index is None:
+        if self.find(self.tokenizer.decode(tokens)) is None:
             return None
-        low, high = 0, len(tokens)  # the decoded length grows with the token count: bisect
+        low, high = 1, len(tokens)  # a prefix that holds a stop string stays one when it grows: bisect
         while low < high:
             middle = (low + high) // 2
-            if len(self.tokenizer.decode(tokens[:middle])) >= index:
+            if self.find(self.tokenizer.decode(tokens[:middle])) is not None:
                 high = middle
             else:
                 low = middle + 1
