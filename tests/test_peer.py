@@ -12,6 +12,7 @@ from cloverlm import CloverError, preset_config
 from cloverlm.checkpoint import load_model
 from cloverlm.config import parameter_counts
 from cloverlm.data import heldout_examples
+from cloverlm.evaluate import answer_budget
 from cloverlm.peer import build_peer, load_peer, next_token_loss, peer_config, peer_generate, save_peer
 from cloverlm.tasks import get_task
 from conftest import TINY
@@ -230,7 +231,7 @@ def test_cli_generates_and_evaluates_from_a_peer_folder(tmp_path, small_tokenize
     main(["eval", "--model", str(tmp_path / "peer"), "--n", "1", "--tasks", "no_fly_zones", "--messages", "1",
           "--json", str(report_path)])  # fmt: skip
     (example,) = heldout_examples(tokenizer, "no_fly_zones", 1, 1 << 30, n_messages=1)
-    tokens = peer_generate(model, example.ids[: example.prompt_length], len(example.ids) - example.prompt_length + 16, stops)
+    tokens = peer_generate(model, example.ids[: example.prompt_length], answer_budget(example), stops)
     report = json.loads(report_path.read_text())["no_fly_zones"]
     assert report["new_tokens"] == len(tokens) and report["tokens_per_forward"] == 1.0
     assert report["zone_exact_match"] == get_task("no_fly_zones").check(example.example, tokenizer.decode(tokens))["zone_exact_match"]

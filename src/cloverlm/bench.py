@@ -65,7 +65,7 @@ from .data import TokenizedExample, heldout_examples
 from .decide import bench_decisions
 from .engine import AUTO, DecodeParams, Engine, Request
 from .errors import CloverError
-from .evaluate import stop_token_ids
+from .evaluate import answer_budget, stop_token_ids
 from .model import CloverCache, CloverForBlockDiffusion
 from .peer import PEER_ARCH, load_peer, peer_generate
 from .tokenizer import SPECIAL_TOKENS, load_tokenizer
@@ -74,7 +74,6 @@ TASK_NAMES = tasks.SUITE
 # The checker field a task is scored by; "exact" unless named here. A no_fly_zones answer lists many
 # zones: the share of zones exactly right separates models that an all-or-nothing "exact" does not.
 ACCURACY_FIELDS = {"no_fly_zones": "zone_exact_match"}
-ANSWER_SLACK = 16  # max new tokens = the reference answer's length + this
 # Clover's parallel prefill builds a context x context attention mask (and scores) in its attention
 # layers: past this many tokens the rest of a long context is committed block by block instead.
 PREFILL_LIMIT = 8192
@@ -203,13 +202,9 @@ def _prompt_ids(example: TokenizedExample) -> list[int]:
     return example.ids[: example.prompt_length]
 
 
-def _max_new_tokens(example: TokenizedExample) -> int:
-    return len(example.ids) - example.prompt_length + ANSWER_SLACK
-
-
 def _clover_params(example: TokenizedExample, options: BenchOptions, tokenizer, block_size: int | str) -> DecodeParams:
     return DecodeParams(
-        max_new_tokens=_max_new_tokens(example),
+        max_new_tokens=answer_budget(example),
         block_size=block_size,
         threshold=options.threshold,
         stop_token_ids=stop_token_ids(tokenizer),
@@ -247,7 +242,7 @@ def bench_tasks(models: BenchModels, options: BenchOptions) -> tuple[dict, dict,
         return completion.tokens, completion.forwards
 
     def run_peer(example: TokenizedExample) -> tuple[list[int], int]:
-        tokens = peer_generate(models.peer, _prompt_ids(example), _max_new_tokens(example), stop_token_ids(tokenizer))
+        tokens = peer_generate(models.peer, _prompt_ids(example), answer_budget(example), stop_token_ids(tokenizer))
         return tokens, len(tokens)  # forwards: only Clover's are reported (the peer's are one per token)
 
     runners: dict[str, Callable] = {"clover": run_clover}

@@ -27,11 +27,10 @@ import jsonschema
 from . import tasks
 from .data import heldout_examples
 from .engine import DecodeParams, Engine, Request
-from .evaluate import stop_token_ids
+from .evaluate import answer_budget, stop_token_ids
 from .grammar import Grammars
 from .server import ServerConfig, background_server, create_app, parse_tool_calls
 
-ANSWER_SLACK = 16
 LOAD_SCHEMA = {
     "type": "object",
     "properties": {
@@ -72,7 +71,7 @@ def bench_structured(model, tokenizer, prompts: int, block_size: int, threshold:
                 functions = [(t["function"]["name"], t["function"]["parameters"]) for t in offered]
                 constraint = grammars.constraint(grammars.tool_calls(functions, single=True))
             params = DecodeParams(
-                max_new_tokens=len(encoded.ids) - encoded.prompt_length + ANSWER_SLACK, block_size=block_size,
+                max_new_tokens=answer_budget(encoded), block_size=block_size,
                 threshold=threshold, stop_token_ids=stop_token_ids(tokenizer),
             )
             [completion] = engine.generate([Request(encoded.ids[: encoded.prompt_length], params, constraint=constraint)])

@@ -32,7 +32,7 @@ from .data import HELDOUT_SEED_BASE
 from .demo_plots import render_denoising_strip, render_zone_map
 from .engine import DecodeParams, Engine, Request
 from .errors import CloverError
-from .evaluate import stop_token_ids
+from .evaluate import ANSWER_SLACK, stop_token_ids
 from .peer import PEER_ARCH, is_peer_folder, load_peer, peer_generate
 from .tasks.base import Example
 from .tasks.no_fly_zones import FIELDS, INSTRUCTION, format_prompt, parse_zones, prompt_messages
@@ -48,7 +48,6 @@ PROMPT_TOKEN_LIMIT = 4096
 # covers the list's brackets and the end of the turn.
 TOKENS_PER_ZONE = 80
 MAX_ZONES = 5
-ANSWER_SLACK = 16
 MAP_FILE, STRIP_FILE = "no_fly_zones.png", "denoising.png"
 MASK_SHOWN = "░"  # a still-masked position in the live view
 LISTED_LINES = 10  # line numbers named in a note before "and N more"

@@ -18,15 +18,19 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
     return (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
 
 
-def _answer_budget(encoded: TokenizedExample) -> int:
-    return len(encoded.ids) - encoded.prompt_length + 16
+ANSWER_SLACK = 16
+
+
+def answer_budget(encoded: TokenizedExample) -> int:
+    """Max new tokens for a held-out example: its reference answer's length + ANSWER_SLACK."""
+    return len(encoded.ids) - encoded.prompt_length + ANSWER_SLACK
 
 
 def _clover_completions(model, examples, stop_ids, *, block_size, threshold, batch_size, calibration) -> Iterator:
     engine = Engine(model, max_batch_size=batch_size, calibration=calibration)
     for index, encoded in enumerate(examples):
         params = DecodeParams(
-            max_new_tokens=_answer_budget(encoded), block_size=block_size, threshold=threshold, stop_token_ids=stop_ids
+            max_new_tokens=answer_budget(encoded), block_size=block_size, threshold=threshold, stop_token_ids=stop_ids
         )
         engine.submit(Request(encoded.ids[: encoded.prompt_length], params, request_id=index))
     while engine.has_work():
@@ -38,7 +42,7 @@ def _peer_completions(model, examples, stop_ids) -> Iterator:
     from .peer import peer_generate
 
     for index, encoded in enumerate(examples):
-        tokens = peer_generate(model, encoded.ids[: encoded.prompt_length], _answer_budget(encoded), stop_ids)
+        tokens = peer_generate(model, encoded.ids[: encoded.prompt_length], answer_budget(encoded), stop_ids)
         yield index, tokens, len(tokens)  # one forward per token
 
 
