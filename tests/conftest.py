@@ -41,7 +41,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tokenizer():
     """The shipped tokenizer: real special tokens and chat template, for tiny random models."""
-    return load_tokenizer("models/clover-tiny")
+    return load_tokenizer("models/scratch-tokenizer")
 
 
 @pytest.fixture(scope="session")

@@ -131,21 +131,21 @@ def test_answer_budget_grows_with_the_messages_up_to_five_zones():
     assert answer_token_budget(20) == answer_token_budget(5000) == 416
 
 
-def test_decode_view_splits_blocks_and_drops_the_prompts_leftover(tokenizer):
+def test_decode_view_splits_blocks(tokenizer):
     mask = 2
-    view = DecodeView(tokenizer, mask, known=2)
+    view = DecodeView(tokenizer, mask)
     a, b, c = tokenizer.encode("[{", add_special_tokens=False)[0], 300, 301
-    view.on_step(None, [7, 8, a, mask, mask])  # first block: 2 prompt tokens, then 3 to generate
+    view.on_step(None, [a, mask, mask])  # first block: 3 to generate
     console = quiet_console()
     console.print(view)
     assert "░░" in console.file.getvalue() and "Clover: block 1, 0 tokens committed" in console.file.getvalue()
-    view.on_step(None, [7, 8, a, b, c])
+    view.on_step(None, [a, b, c])
     view.on_block(None, [a, b, c])
     view.on_step(None, [c, mask])  # second block, one step
     view.on_step(None, [c, b])
     assert view.blocks == [[[a, mask, mask], [a, b, c]], [[c, mask], [c, b]]]
     assert view.committed_text == tokenizer.decode([a, b, c]) and view.strip_block() == (1, view.blocks[0])
-    single = DecodeView(tokenizer, mask, known=0)
+    single = DecodeView(tokenizer, mask)
     single.on_step(None, [a])
     single.on_step(None, [b, mask])
     single.on_step(None, [b, c])

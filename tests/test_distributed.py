@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # block-diffusion batches (the stage advances at step 2).
 ARGS = [
     "--preset", "clover-tiny", "--max-steps", "3", "--seq-len", "512", "--batch-size", "4", "--fp32",
-    "--eval-every", "100", "--probe-examples", "1", "--threads", "1", "--tokenizer", str(ROOT / "models/clover-tiny"),
+    "--eval-every", "100", "--probe-examples", "1", "--threads", "1", "--tokenizer", str(ROOT / "models/scratch-tokenizer"),
     "--set", "hidden_size=32", "--set", "num_experts=4", "--set", "moe_intermediate_size=16",
     "--set", "shared_expert_intermediate_size=32", "--set", "linear_key_head_dim=8",
     "--set", "linear_value_head_dim=8", "--set", "head_dim=8",

@@ -79,14 +79,14 @@ def test_batched_rows_equal_each_row_alone():
 
 
 def greedy_next_token(model, ids, count):
-    """Reference decoder: next-token argmax through the parallel training forward (block size 1)."""
+    """Reference decoder: next-token argmax through the parallel training forward (block size 1; under
+    the shifted convention the last position predicts the next token)."""
     seq = list(ids)
     out = []
     with torch.no_grad():
         for _ in range(count):
-            clean = torch.tensor([seq + [MASK]])
-            noisy = torch.tensor([seq + [MASK]])
-            logits = model(clean, noisy, [1] * len(clean[0])).logits[0, -1]
+            clean = torch.tensor([seq])
+            logits = model(clean, clean, [1] * len(seq)).logits[0, -1]
             logits[MASK] = float("-inf")
             token = int(logits.argmax())
             if token == model.config.eos_token_id:
@@ -203,7 +203,7 @@ def test_streaming_callbacks():
     )
     [completion] = Engine(model).generate([request])
     assert sum(blocks, []) == completion.tokens
-    assert [len(b) for b in blocks] == [2, 4, 4]  # the prompt's 2 leftover tokens open the first block
+    assert [len(b) for b in blocks] == [4, 4, 2]  # every block is fresh; the budget cuts the last one
     assert len(steps) == completion.steps and MASK not in steps[-1]
 
 

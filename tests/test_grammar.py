@@ -141,7 +141,8 @@ def test_invalid_schemas_are_refused(grammars):
 
 
 def test_tool_call_grammar_and_parsing(tokenizer, random_model, grammars):
-    tools = [("get_weather", {"type": "object", "properties": {"city": {"enum": ["Oslo", "Bern"]}}, "required": ["city"]}),
+    tools = [("get_weather", {"type": "object", "properties": {"city": {"enum": ["Oslo", "Bern"]}}, "required": ["city"],
+                              "additionalProperties": False}),
              ("set_timer", {"type": "object", "properties": {"minutes": {"type": "integer", "minimum": 1, "maximum": 90}},
                             "required": ["minutes"], "additionalProperties": False})]
     prompt = tokenizer("call a tool", add_special_tokens=False)["input_ids"]

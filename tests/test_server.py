@@ -41,7 +41,7 @@ USER = [{"role": "user", "content": "Which zone is free?"}]
 
 def _start(**overrides):
     torch.set_num_threads(1)
-    tokenizer = load_tokenizer("models/clover-tiny")
+    tokenizer = load_tokenizer("models/scratch-tokenizer")
     model = tiny_model(vocab_size=len(tokenizer))
     config = ServerConfig(**{"model_name": NAME, "api_key": KEY, "max_prompt_tokens": 256, "max_tokens": 1024,
                              "default_max_tokens": 16, "max_body_bytes": 32 * 1024, **overrides})

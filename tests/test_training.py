@@ -33,50 +33,64 @@ def test_partition_covers_sequence_without_crossing_chunks():
 
 
 def test_masking_per_block_and_complementary():
+    """Shifted convention: targets are masked per block; a masked target is [MASK] at the next input
+    position unless that position opens a block; every block's last slot is scored."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, 100, (4, 64))
+    ids = torch.randint(10, 100, (4, 65))
     eligible = torch.ones_like(ids, dtype=torch.bool)
     eligible[:, :10] = False  # a chat prompt
     noised = mask_blocks(ids, eligible, [16] * 4, 2, g)
-    assert not noised.masked[:, :10].any()
-    assert (noised.noisy_ids[noised.masked] == 2).all() and (noised.noisy_ids[~noised.masked] == ids[~noised.masked]).all()
-    assert (noised.t.view(4, 4, 16) == noised.t.view(4, 4, 16)[..., :1]).all()  # one t per block
+    assert torch.equal(noised.clean_ids, ids[:, :-1]) and torch.equal(noised.targets, ids[:, 1:])
+    assert not noised.scored[:, :9].any()  # prompt targets are never scored
+    masked = noised.weight != 1
+    hidden = noised.noisy_ids == 2
+    assert torch.equal(hidden[:, 1:], masked[:, :-1] & (torch.arange(1, 64) % 16 != 0))
+    assert not hidden[:, ::16].any()  # a block's first slot always holds its clean token
+    assert noised.scored[:, 15::16].all() and torch.equal(noised.scored, masked | (torch.arange(64) % 16 == 15))
+    inverse_t = noised.weight.masked_fill(~masked, float("nan")).view(4, 4, 16)
+    for row in range(4):
+        for block in range(4):
+            values = inverse_t[row, block][~inverse_t[row, block].isnan()]
+            assert values.numel() == 0 or torch.allclose(values, values[:1])  # one t per block
     full = mask_blocks(ids, eligible, [1] * 64, 2, g, t_fixed=1.0)
-    assert torch.equal(full.masked, eligible)
+    assert torch.equal(full.scored, eligible[:, 1:]) and torch.equal(full.noisy_ids, full.clean_ids)
     pair = mask_blocks(ids, eligible, [16] * 4, 2, g, complementary=True)
-    first, second = pair.masked.chunk(2)
-    assert torch.equal(first ^ second, eligible) and not (first & second).any()
+    first, second = (pair.weight != 1).chunk(2)
+    assert torch.equal(first ^ second, eligible[:, 1:]) and not (first & second).any()
+    with pytest.raises(CloverError, match="give 64 input positions"):
+        mask_blocks(ids, eligible, [16] * 4 + [1], 2, g)
 
 
 def test_block_size_one_fully_masked_is_next_token_loss():
     model = tiny_model()
-    ids = torch.randint(3, 300, (2, 24))
+    ids = torch.randint(3, 300, (2, 25))
     eligible = torch.ones_like(ids, dtype=torch.bool)
     noised = mask_blocks(ids, eligible, [1] * 24, 2, torch.Generator(), t_fixed=1.0)
     with torch.no_grad():
-        loss, _, _ = diffusion_loss(model, ids, eligible, noised, [1] * 24)
-        # independent computation: position i predicted from the clean tokens < i only
+        loss, _, _ = diffusion_loss(model, noised, [1] * 24)
+        # independent computation: token i + 1 predicted from the clean tokens <= i only
         expected = []
         for i in range(24):
-            prefix = ids[:, : i + 1].clone()
-            noisy = prefix.clone()
-            noisy[:, i] = 2
-            logits = model(prefix, noisy, [1] * (i + 1)).logits[:, i]
-            expected.append(F.cross_entropy(logits, ids[:, i], reduction="none"))
+            prefix = ids[:, : i + 1]
+            logits = model(prefix, prefix, [1] * (i + 1)).logits[:, i]
+            expected.append(F.cross_entropy(logits, ids[:, i + 1], reduction="none"))
     torch.testing.assert_close(loss, torch.stack(expected).mean(), atol=1e-5, rtol=1e-5)
 
 
 def test_elbo_weights_by_inverse_t():
     model = tiny_model()
-    ids = torch.randint(3, 300, (1, 16))
+    ids = torch.randint(3, 300, (1, 17))
     eligible = torch.ones_like(ids, dtype=torch.bool)
     g = torch.Generator().manual_seed(3)
-    noised = mask_blocks(ids, eligible, [16], 2, g)
+    noised = mask_blocks(ids, eligible, [16], 2, g, t_fixed=0.25)
+    masked = (noised.weight == 4)[0]
+    assert 0 < masked.sum() < 16
     with torch.no_grad():
-        loss, _, _ = diffusion_loss(model, ids, eligible, noised, [16])
-        logits = model(ids, noised.noisy_ids, [16]).logits[noised.masked]
-    nll = F.cross_entropy(logits, ids[noised.masked], reduction="sum")
-    torch.testing.assert_close(loss, nll / noised.t[0, 0] / 16, atol=1e-5, rtol=1e-5)
+        loss, _, _ = diffusion_loss(model, noised, [16])
+        logits = model(noised.clean_ids, noised.noisy_ids, [16]).logits[0]
+    nll = F.cross_entropy(logits, ids[0, 1:], reduction="none")
+    expected = (4 * nll[masked].sum() + (0 if masked[-1] else nll[-1])) / 16
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_checkpoints_get_one_line_errors(tmp_path, model):

@@ -121,7 +121,7 @@ def fit_head(records_by_size: dict[int, list], hidden_size: int, ridge: float = 
     bias = torch.zeros(len(records_by_size))
     fit = {}
     for row, (size, records) in enumerate(records_by_size.items()):
-        records = [r for r in records if r.known == 0 and r.size == size]  # full, fresh blocks only
+        records = [r for r in records if r.size == size]  # full blocks only (not a short last block)
         if not records:
             bias[row] = math.log(size)  # never observed: assume no parallelism
             fit[size] = {"blocks": 0}

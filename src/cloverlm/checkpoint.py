@@ -101,7 +101,14 @@ def load_weights(model: PreTrainedModel, weights: Path) -> None:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32) -> CloverForBlockDiffusion:
-    """Load a model folder with one-line errors for every way it can be wrong."""
+    """Load a model folder with one-line errors for every way it can be wrong. A folder holding a
+    conversion adapter (clover_adapter.json) is its base plus the adapter, merged."""
+    if (Path(path) / "clover_adapter.json").is_file():
+        from .convert_train import adapter_objective, load_adapted
+
+        if adapter_objective(path) != "diffusion":
+            raise CloverError(f"{path} holds the autoregressive peer's adapter, not a Clover model")
+        return load_adapted(path, dtype or torch.float32)[0]
     weights = checked_weights(path)
     model = CloverForBlockDiffusion(read_config(CloverConfig, path))
     load_weights(model, weights)

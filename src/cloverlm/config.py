@@ -18,6 +18,7 @@ from .errors import CloverError
 MEMORY, ATTENTION = "linear_attention", "full_attention"
 LAYER_TYPES = (MEMORY, ATTENTION)
 LAYER_TYPE_ALIASES = {"memory": MEMORY, "attention": ATTENTION}
+MLP_TYPES = ("moe", "dense")
 
 
 class CloverConfig(PretrainedConfig):
@@ -37,6 +38,11 @@ class CloverConfig(PretrainedConfig):
         num_attention_heads: int = 4,
         num_key_value_heads: int = 2,
         head_dim: int = 32,
+        attention_output_gate: bool = True,  # Qwen3.5's sigmoid gate; Llama-family bases have none
+        attention_qk_norm: bool = True,  # RMSNorm on q and k per head; Llama-family bases have none
+        # Committed tokens attend causally inside their block (as the autoregressive base they were
+        # converted from) instead of bidirectionally: design section 7.
+        causal_clean_stream: bool = False,
         # memory (restructured Gated DeltaNet) layers
         linear_num_key_heads: int = 4,
         linear_num_value_heads: int = 4,
@@ -44,6 +50,9 @@ class CloverConfig(PretrainedConfig):
         linear_value_head_dim: int = 32,
         linear_conv_kernel_dim: int = 5,
         memory_decay_range: tuple[float, float] = (0.9, 0.9999),
+        # feed-forward: "moe" (routed experts + shared expert) or "dense" (one SwiGLU, as a Llama base)
+        mlp_type: str = "moe",
+        intermediate_size: int = 0,  # the dense SwiGLU's width
         # mixture of experts
         num_experts: int = 64,
         num_experts_per_tok: int = 2,
@@ -74,6 +83,11 @@ class CloverConfig(PretrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim
+        self.attention_output_gate = attention_output_gate
+        self.attention_qk_norm = attention_qk_norm
+        self.causal_clean_stream = causal_clean_stream
+        self.mlp_type = mlp_type
+        self.intermediate_size = intermediate_size
         self.linear_num_key_heads = linear_num_key_heads
         self.linear_num_value_heads = linear_num_value_heads
         self.linear_key_head_dim = linear_key_head_dim
@@ -117,6 +131,10 @@ class CloverConfig(PretrainedConfig):
             )
         if self.linear_conv_kernel_dim % 2 == 0:
             problems.append(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be odd (a centred, bidirectional window)")
+        if self.mlp_type not in MLP_TYPES:
+            problems.append(f"mlp_type={self.mlp_type!r} is unknown (choose from {', '.join(MLP_TYPES)})")
+        if self.mlp_type == "dense" and self.intermediate_size < 1:
+            problems.append("a dense feed-forward needs intermediate_size >= 1")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}")
         if self.head_dim % 2 or self.linear_key_head_dim % 2:
@@ -215,22 +233,25 @@ def parameter_counts(config: CloverConfig) -> dict[str, int]:
         + value_dim * h  # out_proj
     )
     attention = (
-        h * c.num_attention_heads * c.head_dim * 2  # q_proj with the output gate
+        h * c.num_attention_heads * c.head_dim * (2 if c.attention_output_gate else 1)  # q_proj (+ gate)
         + 2 * h * c.num_key_value_heads * c.head_dim  # k_proj, v_proj
         + c.num_attention_heads * c.head_dim * h  # o_proj
-        + 2 * c.head_dim  # q_norm, k_norm
+        + (2 * c.head_dim if c.attention_qk_norm else 0)  # q_norm, k_norm
     )
-    expert = 3 * h * c.moe_intermediate_size
-    shared = 3 * h * c.shared_expert_intermediate_size + h  # + shared_expert_gate
-    router = h * c.num_experts
+    if c.mlp_type == "dense":
+        feed_forward_total = feed_forward_active = 3 * h * c.intermediate_size
+    else:
+        expert = 3 * h * c.moe_intermediate_size
+        shared = 3 * h * c.shared_expert_intermediate_size + h + h * c.num_experts  # + gate, router
+        feed_forward_total = shared + c.num_experts * expert
+        feed_forward_active = shared + c.num_experts_per_tok * expert
     norms = 2 * h
     total = lm_head * (1 if c.tie_word_embeddings else 2) + h  # + final norm
     active = lm_head + h
     for kind in c.layer_types:
         mixer = memory if kind == MEMORY else attention
-        common = mixer + shared + router + norms
-        total += common + c.num_experts * expert
-        active += common + c.num_experts_per_tok * expert
+        total += mixer + norms + feed_forward_total
+        active += mixer + norms + feed_forward_active
     return {"total_params": total, "active_params": active}
 
 

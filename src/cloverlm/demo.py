@@ -33,7 +33,7 @@ from .demo_plots import render_denoising_strip, render_zone_map
 from .engine import DecodeParams, Engine, Request
 from .errors import CloverError
 from .evaluate import ANSWER_SLACK, stop_token_ids
-from .peer import PEER_ARCH, is_peer_folder, load_peer, peer_generate
+from .peer import is_peer_folder, load_peer, peer_generate
 from .tasks.base import Example
 from .tasks.no_fly_zones import FIELDS, INSTRUCTION, format_prompt, parse_zones, prompt_messages
 from .tokenizer import SPECIAL_TOKENS, format_chat, load_tokenizer
@@ -159,10 +159,9 @@ class DecodeView:
 
     Live renders from its own thread: the attributes it reads are replaced whole, never edited."""
 
-    def __init__(self, tokenizer, mask_id: int, known: int):
+    def __init__(self, tokenizer, mask_id: int):
         self.tokenizer = tokenizer
         self.mask_id = mask_id
-        self.known = known  # the first block starts with the prompt's last `known` tokens
         self.blocks: list[list[list[int]]] = []  # per block, the block after each step
         self.committed: list[int] = []
         self.committed_text = ""
@@ -172,10 +171,9 @@ class DecodeView:
     def on_step(self, request, block: list[int]) -> None:
         if self._block_finished:
             self.blocks.append([])
-        generated = block[self.known :] if len(self.blocks) == 1 else block
-        self.blocks[-1].append(generated)
+        self.blocks[-1].append(block)
         self._block_finished = self.mask_id not in block
-        self.provisional = generated
+        self.provisional = block
 
     def on_block(self, request, tokens: list[int]) -> None:
         self.committed = self.committed + tokens
@@ -201,7 +199,7 @@ class DecodeView:
 
 def run_clover(model, tokenizer, prompt_ids, params: DecodeParams, messages: Messages, console: Console):
     """Decode with the engine under a live view; returns the ModelRun and the DecodeView."""
-    view = DecodeView(tokenizer, model.config.mask_token_id, len(prompt_ids) % params.block_size)
+    view = DecodeView(tokenizer, model.config.mask_token_id)
     request = Request(prompt_ids, params, on_step=view.on_step, on_block=view.on_block)
     # transient: the live view goes when decoding ends, and the committed text is printed in its
     # place, the same way in a terminal and in a file (where Live would show only its last frame)
@@ -390,14 +388,14 @@ def _load_peer(folder: Path | None, required: bool, tokenizer, console: Console)
     (it is trained separately; the demo then shows Clover alone)."""
     if folder is None:
         return None
-    if not (folder / "config.json").is_file():
-        train = f"train one with `clover train --arch {PEER_ARCH} ...`"
+    if not (folder / "config.json").is_file() and not (folder / "clover_adapter.json").is_file():
+        train = "train one with `clover train --recipe convert --arch ar ...`"
         if required:
             raise CloverError(f"no peer model at {folder}: {train}, or run with --no-peer")
         _note(console, f"no peer model at {folder} yet, so Clover runs alone ({train}, or pass --peer DIR)")
         return None
     if not is_peer_folder(folder):
-        raise CloverError(f"{folder} does not hold the autoregressive peer ({PEER_ARCH}): --peer takes a peer folder")
+        raise CloverError(f"{folder} does not hold an autoregressive peer: --peer takes a peer folder")
     if (folder / "tokenizer.json").is_file() and load_tokenizer(folder).get_vocab() != tokenizer.get_vocab():
         raise CloverError(f"the peer at {folder} uses another tokenizer than Clover: the prompts would differ")
     return load_peer(folder)

@@ -1,15 +1,19 @@
 """The block-diffusion objective: partitions, per-block noise levels, masking and the weighted loss.
 
-A sequence of L tokens is cut into blocks (one random partition per batch, sizes from a configured set
-that includes 1). Block b draws t_b ~ U(eps, 1) and each eligible token of the block is replaced by
-[MASK] with probability t_b. The loss is the masked-diffusion ELBO: the sum over masked positions of
--log p(x_0 | x_t block, history) / t_b, divided by the number of eligible tokens. With block size 1 and
-t = 1 every token is masked and the loss is next-token cross-entropy: autoregression is a special case.
+Shifted convention (design section 1a): a sequence x_0 .. x_{L-1} is read as inputs x_0 .. x_{L-2}, and
+input position p predicts x_{p+1}. The L-1 input positions are cut into blocks (one random partition
+per batch, sizes from a configured set that includes 1). Block b draws t_b ~ U(eps, 1) and each
+eligible target of the block is masked with probability t_b; a masked target x_{p+1} appears as
+[MASK] at input position p+1 when that position is inside the block, while the block's first slot
+always holds its clean token (the last committed one). The block's last slot is always scored: its
+target is never an input of the block. The loss is the masked-diffusion ELBO: the sum over scored
+targets of -log p / t_b (weight 1 for the always-scored last slot), divided by the number of eligible
+targets. With block size 1 every slot is a first and a last slot: next-token cross-entropy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +50,37 @@ def uniform_partition(length: int, block_size: int) -> list[int]:
 
 @dataclass
 class NoisedBatch:
-    noisy_ids: torch.Tensor  # x_t [B, L]
-    masked: torch.Tensor  # [B, L] bool: positions replaced by [MASK] (the scored ones)
-    t: torch.Tensor  # [B, L] the noise level of each position's block
+    clean_ids: torch.Tensor  # [B, L-1] the clean stream: every token but the last
+    noisy_ids: torch.Tensor  # [B, L-1] the noisy stream
+    targets: torch.Tensor  # [B, L-1] the token each input position predicts (x_{p+1})
+    scored: torch.Tensor  # [B, L-1] bool: positions whose prediction is scored
+    weight: torch.Tensor  # [B, L-1] 1/t for masked targets, 1 for the always-scored last slots
+    eligible: torch.Tensor  # [B, L-1] bool: targets that may be masked and scored
+
+    def rows(self, rows) -> NoisedBatch:
+        return NoisedBatch(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+
+def block_ends(block_sizes: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n] bools: position is the first / last of its block."""
+    sizes = torch.tensor(block_sizes)
+    ends = sizes.cumsum(0)
+    length = int(ends[-1])
+    first, last = torch.zeros(length, dtype=torch.bool), torch.zeros(length, dtype=torch.bool)
+    first[ends - sizes] = True
+    last[ends - 1] = True
+    return first.to(device), last.to(device)
+
+
+def shift_noise(input_ids, masked_targets, block_sizes: list[int], mask_token_id: int):
+    """The noisy stream [B, L-1] for targets masked by `masked_targets` [B, L-1]: input position p holds
+    [MASK] when its token (the target of p-1) is masked and p is not the first slot of its block."""
+    first, _ = block_ends(block_sizes, input_ids.device)
+    inputs = input_ids[:, :-1]
+    hide = torch.zeros_like(masked_targets)
+    hide[:, 1:] = masked_targets[:, :-1]
+    hide &= ~first
+    return torch.where(hide, torch.full_like(inputs, mask_token_id), inputs)
 
 
 def mask_blocks(
@@ -62,12 +94,16 @@ def mask_blocks(
     t_fixed: float | None = None,
     complementary: bool = False,
 ) -> NoisedBatch:
-    """Mask each block's eligible tokens with its own probability t_b.
+    """Mask each block's eligible targets with its own probability t_b. input_ids, eligible: [B, L];
+    block_sizes partition the L-1 input positions.
 
-    t_fixed=1.0 masks every eligible token (the block-size warm-up). complementary=True appends the
-    inverted mask as a second sample, so every eligible token is supervised exactly once per pair.
+    t_fixed=1.0 masks every eligible target (the block-size warm-up). complementary=True appends the
+    inverted mask as a second sample, so every eligible target is supervised once per pair (last slots
+    in both).
     """
     batch, length = input_ids.shape
+    if sum(block_sizes) != length - 1:
+        raise CloverError(f"block sizes sum to {sum(block_sizes)} but {length} tokens give {length - 1} input positions")
     sizes = torch.tensor(block_sizes)
     block_of = torch.repeat_interleave(torch.arange(len(block_sizes)), sizes)
     if t_fixed is not None:
@@ -75,33 +111,37 @@ def mask_blocks(
     else:
         t_block = eps + (1 - eps) * torch.rand(batch, len(block_sizes), generator=generator)
     t = t_block[:, block_of].to(input_ids.device)
-    draw = torch.rand(batch, length, generator=generator).to(input_ids.device)
-    masked = (draw < t) & eligible
+    draw = torch.rand(batch, length - 1, generator=generator).to(input_ids.device)
+    target_ok = eligible[:, 1:]
+    masked = (draw < t) & target_ok
     if complementary:
-        other = (~masked) & eligible
-        input_ids = torch.cat([input_ids, input_ids])
+        other = (~masked) & target_ok
+        input_ids, target_ok = torch.cat([input_ids, input_ids]), torch.cat([target_ok, target_ok])
         masked = torch.cat([masked, other])
-        t = torch.cat([t, 1 - t + eps])  # the inverted mask keeps each token with prob 1 - t
-    noisy = torch.where(masked, torch.full_like(input_ids, mask_token_id), input_ids)
-    return NoisedBatch(noisy_ids=noisy, masked=masked, t=t)
+        t = torch.cat([t, 1 - t + eps])  # the inverted mask keeps each target with prob 1 - t
+    _, last = block_ends(block_sizes, input_ids.device)
+    scored = target_ok & (masked | last)
+    weight = torch.where(masked, 1 / t, torch.ones_like(t))
+    return NoisedBatch(
+        clean_ids=input_ids[:, :-1], noisy_ids=shift_noise(input_ids, masked, block_sizes, mask_token_id),
+        targets=input_ids[:, 1:], scored=scored, weight=weight, eligible=target_ok,
+    )
 
 
-def diffusion_loss(model, input_ids, eligible, noised: NoisedBatch, block_sizes: list[int]):
-    """Returns (loss, stats). loss = sum_masked CE / t, divided by the eligible tokens (the ELBO per token)."""
-    if noised.noisy_ids.shape[0] != input_ids.shape[0]:  # complementary pairs
-        input_ids = torch.cat([input_ids, input_ids])
-        eligible = torch.cat([eligible, eligible])
-    out = model(input_ids, noised.noisy_ids, block_sizes, logits_mask=noised.masked)
-    targets = input_ids[noised.masked]
+def diffusion_loss(model, noised: NoisedBatch, block_sizes: list[int]):
+    """Returns (loss, aux, stats). loss = sum_scored CE * weight, divided by the eligible targets (the
+    ELBO per token)."""
+    out = model(noised.clean_ids, noised.noisy_ids, block_sizes, logits_mask=noised.scored)
+    targets = noised.targets[noised.scored]
     nll = F.cross_entropy(out.logits.float(), targets, reduction="none")
-    denom = eligible.sum().clamp(min=1)
-    elbo = (nll / noised.t[noised.masked]).sum() / denom
+    denom = noised.eligible.sum().clamp(min=1)
+    elbo = (nll * noised.weight[noised.scored]).sum() / denom
     correct = (out.logits.argmax(-1) == targets).float()
     stats = {
         "elbo": elbo.detach(),
         "nll_masked": nll.mean().detach() if nll.numel() else nll.sum().detach(),
         "acc_masked": correct.mean().detach() if correct.numel() else correct.sum().detach(),
         "aux": out.aux_loss.detach(),
-        "masked_tokens": int(noised.masked.sum()),
+        "masked_tokens": int(noised.scored.sum()),
     }
     return elbo, out.aux_loss, stats

@@ -1,17 +1,21 @@
 """The decoding engine: block-diffusion generation for a batch of requests, on token ids.
 
-Per request: the prompt is prefilled as clean blocks of the request's block size; its last partial
-block becomes the first generation block (known tokens given, the rest [MASK]). Each denoising step
-runs the block against the request's cache and unmasks positions by one of two rules:
+Shifted convention (design section 1a): every slot predicts the token after it. A block that will hold
+tokens x_s .. x_{s+B-1} is run as [x_{s-1}, x_s or MASK, ..., x_{s+B-2} or MASK] at positions
+s-1 .. s+B-2, so its first slot is the last committed token and the cache lags one token behind the
+text. Per request: the prompt but its last token is prefilled as clean blocks of the request's block
+size; the last prompt token opens the first block. Each denoising step runs the block against the
+request's cache and unmasks positions by one of two rules:
 
 * "threshold" (Fast-dLLM): every masked position whose confidence (probability of the chosen token)
   is at least `threshold`, and always the most confident one; after `max_steps` steps the rest at once.
 * "low_confidence" (LLaDA): a fixed number of steps per block, each unmasking its share of the
   block's positions, most confident first.
 
-A finished block is committed in the same forward as the first step of the next block (the fused
-step of `CloverForBlockDiffusion.decode`). The last block of a request is never committed: nothing
-will read it.
+A finished block's inputs are committed in the same forward as the first step of the next block (the
+fused step of `CloverForBlockDiffusion.decode`); its last token opens the next block. The last block of
+a request is never committed: nothing will read it. At block size 1 this is greedy autoregressive
+decoding, token for token.
 
 Continuous batching at block granularity: requests join (after their own prefill) and leave between
 forwards; the batch holds blocks of different sizes, padded, and caches of different lengths. Each
@@ -40,7 +44,6 @@ from typing import Protocol
 
 import torch
 
-from .diffusion import uniform_partition
 from .errors import CloverError
 from .model import CloverCache, CloverForBlockDiffusion
 
@@ -131,11 +134,10 @@ class Request:
 @dataclass
 class BlockRecord:
     """One finished block, for fitting the block-size head: the hidden state the block started from,
-    its size, how many of its tokens were given (a prompt's leftover), and the denoising steps it took."""
+    its size and the denoising steps it took."""
 
     hidden: torch.Tensor
     size: int
-    known: int
     steps: int
 
 
@@ -165,7 +167,8 @@ class _Row:
         self.params = request.params
         self.mask_id = mask_id
         self.generated: list[int] = []
-        self.pending_commit: list[int] | None = None  # the finished block, committed with the next step
+        self.last_token = request.prompt_ids[-1]  # slot 0 of the next block: the last token not in the cache
+        self.pending_commit: list[int] | None = None  # the finished block's inputs, committed with the next step
         self.forwards = self.steps = self.blocks = 0
         self.finish_reason: str | None = None
         self.last_hidden: torch.Tensor | None = None  # final hidden state of the last position decoded
@@ -174,22 +177,24 @@ class _Row:
         seed = self.params.seed if self.params.seed is not None else random.randrange(2**63)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def start_block(self, known: list[int], block_size: int) -> None:
-        remaining = self.params.max_new_tokens - len(self.generated)
-        size = min(block_size, len(known) + remaining)
+    def start_block(self, block_size: int) -> None:
+        """`block` holds the tokens the block decides (its targets), [MASK] where not yet chosen."""
+        size = min(block_size, self.params.max_new_tokens - len(self.generated))
         self.block_start_hidden = self.last_hidden
-        self.known = len(known)
-        self.block = torch.tensor(known + [self.mask_id] * (size - len(known)))
+        self.block = torch.full((size,), self.mask_id)
         self.block_steps = 0
-        self.initially_masked = size - len(known)
+        self.initially_masked = size
         # Forced tokens fill the new block, but one position stays masked: the block is run anyway (the
         # forward commits the previous one), and a block with nothing masked would never be stepped.
-        self.fill_forced(len(known), keep_masked=1)
+        self.fill_forced(0, keep_masked=1)
+
+    def block_inputs(self) -> torch.Tensor:
+        """The block as the model reads it: the last committed token, then the targets but the last."""
+        return torch.cat([torch.tensor([self.last_token]), self.block[:-1]])
 
     def start_slots(self, vocab_size: int) -> None:
         slots = self.request.slots
         self.block_start_hidden = self.last_hidden
-        self.known = 0
         self.block = torch.tensor([self.mask_id if token is None else token for token in slots.layout])
         self.block_steps = 0
         self.initially_masked = len(slots.options)
@@ -341,22 +346,19 @@ class Engine:
             row = self.waiting.popleft()
             prompt, size = row.request.prompt_ids, row.params.block_size
             cache = CloverCache.empty(self.config, 1, device=self.device)
-            if size == AUTO or row.request.slots is not None:
-                # the whole prompt is history; the first block is the slot layout, or its size comes from
-                # the prompt's last hidden state
-                size = self.calibration.prefill_block_size if size == AUTO else size
-                partition = [size] * (len(prompt) // size) + ([len(prompt) % size] if len(prompt) % size else [])
-                row.last_hidden = self.model.prefill(torch.tensor([prompt], device=self.device), partition, cache)[0].cpu()
-                if row.request.slots is not None:
-                    row.start_slots(self.config.vocab_size)
-                else:
-                    row.start_block([], self.calibration.choose(row.last_hidden))
+            if size == AUTO:
+                size = self.calibration.prefill_block_size
+            history = prompt[:-1]  # the last prompt token opens the first block (shifted convention)
+            if history:
+                partition = [size] * (len(history) // size) + ([len(history) % size] if len(history) % size else [])
+                ids = torch.tensor([history], device=self.device)
+                row.last_hidden = self.model.prefill(ids, partition, cache)[0].cpu()
+            if row.request.slots is not None:
+                row.start_slots(self.config.vocab_size)
+            elif row.params.block_size == AUTO:
+                row.start_block(self.calibration.choose(row.last_hidden))
             else:
-                committed = len(prompt) // size * size
-                if committed:
-                    ids = torch.tensor([prompt[:committed]], device=self.device)
-                    row.last_hidden = self.model.prefill(ids, uniform_partition(committed, size), cache)[0].cpu()
-                row.start_block(list(prompt[committed:]), size)
+                row.start_block(size)
             joined.append((row, cache))
         if joined:
             caches = ([self.cache] if self.rows else []) + [cache for _, cache in joined]
@@ -374,7 +376,7 @@ class Engine:
         commit_ids = commit_valid = None
         if any(commits):
             commit_ids, commit_valid = _pad([torch.tensor(c, dtype=torch.long) for c in commits], pad, self.device)
-        step_ids, step_valid = _pad([row.block for row in self.rows], pad, self.device)
+        step_ids, step_valid = _pad([row.block_inputs() for row in self.rows], pad, self.device)
         logits, hidden = self.model.decode(self.cache, commit_ids, commit_valid, step_ids, step_valid, return_hidden=True)
         logits, hidden = logits.float().cpu(), hidden.cpu()
         logits[..., self.config.mask_token_id] = float("-inf")  # never "unmask" to [MASK]
@@ -476,10 +478,10 @@ class Engine:
         params = row.params
         row.blocks += 1
         if self.record_blocks and row.block_start_hidden is not None:
-            row.block_records.append(BlockRecord(row.block_start_hidden, len(row.block), row.known, row.block_steps))
+            row.block_records.append(BlockRecord(row.block_start_hidden, len(row.block), row.block_steps))
         stops = set(params.stop_token_ids) | {self.config.eos_token_id}
         before = len(row.generated)
-        for token in row.block[row.known :].tolist():
+        for token in row.block.tolist():
             if token in stops:
                 row.finish_reason = "stop"
                 break
@@ -496,9 +498,10 @@ class Engine:
         if row.request.on_block is not None and len(row.generated) > before:
             row.request.on_block(row.request, row.generated[before:])
         if row.finish_reason is None:
-            row.pending_commit = row.block.tolist()
+            row.pending_commit = row.block_inputs().tolist()
+            row.last_token = int(row.block[-1])
             size = self.calibration.choose(row.last_hidden) if params.block_size == AUTO else params.block_size
-            row.start_block([], size)
+            row.start_block(size)
 
 
 def _pad(blocks: list[torch.Tensor], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,24 @@ class BlockLayout:
         )
 
 
+@dataclass
+class NoisyBlocks:
+    """The noisy stream as a list of block slots (design section 7): slot i holds token ids[:, i] at
+    position positions[i]; it sees the noisy slots of its own block (block[i]) bidirectionally and the
+    clean positions below history[i]. Blocks may repeat (complementary masks) and skip the prompt."""
+
+    input_ids: torch.Tensor  # [B, N]
+    positions: torch.Tensor  # [N]
+    block: torch.Tensor  # [N]
+    history: torch.Tensor  # [N]
+
+    @classmethod
+    def of_layout(cls, layout: BlockLayout, input_ids=None) -> NoisyBlocks:
+        """One noisy copy of every block of the clean stream, at the same positions."""
+        positions = torch.arange(len(layout.block_id), device=layout.block_id.device)
+        return cls(input_ids, positions, layout.block_id, layout.block_start)
+
+
 def validate_block_sizes(block_sizes: list[int], length: int, max_block_size: int) -> None:
     if sum(block_sizes) != length:
         raise CloverError(f"block sizes sum to {sum(block_sizes)} but the sequence has {length} tokens")
@@ -532,9 +550,12 @@ def block_padding_mask(valid, history_lengths):
 
 
 class CloverAttention(nn.Module):
-    """Grouped-query attention with rotary positions, q/k RMSNorm and Qwen3.5's sigmoid output gate.
+    """Grouped-query attention with rotary positions, and (as in Qwen3.5) q/k RMSNorm and a sigmoid output
+    gate, each optional so that a Llama-family base converts weight for weight.
 
-    Block-causal: a token sees every committed token before its block and its whole block.
+    Block-causal: a token sees every committed token before its block and its whole block. With
+    config.causal_clean_stream, committed (clean) tokens see only the tokens before them, as in the
+    autoregressive base; the block being denoised still sees itself bidirectionally.
     """
 
     def __init__(self, config: CloverConfig):
@@ -543,17 +564,27 @@ class CloverAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
+        self.gated = config.attention_output_gate
+        self.causal_clean = config.causal_clean_stream
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim * 2, bias=False)  # queries and output gate
+        q_width = self.num_heads * self.head_dim * (2 if self.gated else 1)  # queries (and output gate)
+        self.q_proj = nn.Linear(h, q_width, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
-        self.q_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        if config.attention_qk_norm:
+            self.q_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def _project(self, x, positions):
         batch, length, _ = x.shape
-        q, gate = self.q_proj(x).view(batch, length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = self.q_proj(x).view(batch, length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         q = rotary(self.q_norm(q), positions, self.rope_theta)
@@ -562,36 +593,52 @@ class CloverAttention(nn.Module):
 
     def _output(self, attn, gate):
         batch, _, length, _ = attn.shape
-        out = attn.transpose(1, 2) * torch.sigmoid(gate)
+        out = attn.transpose(1, 2)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(batch, length, -1))
 
     def _attend(self, q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
 
-    def forward_streams(self, x_noisy, x_clean, layout: BlockLayout, positions, cache: LayerCache | None = None):
-        """BD3-LM's mask over [x_t ; x_0]: noisy block b sees clean blocks < b and itself, clean b sees clean <= b.
-
-        x_noisy=None runs the clean stream only (prefill); a given (empty) cache receives its keys and values.
-        """
+    def _clean_mask(self, layout: BlockLayout):
+        """[L, L]: clean position i sees clean position j (causal, or block-causal)."""
         block = layout.block_id
-        same = block[:, None] == block[None, :]
-        earlier = block[None, :] < block[:, None]
+        if self.causal_clean:
+            positions = torch.arange(len(block), device=block.device)
+            return positions[None, :] <= positions[:, None]
+        return block[None, :] <= block[:, None]
+
+    def forward_streams(self, x_noisy, x_clean, layout: BlockLayout, positions, cache: LayerCache | None = None,
+                        noisy: NoisyBlocks | None = None):
+        """BD3-LM's mask over [x_t ; x_0]: noisy block b sees the clean history before it and itself; clean
+        position i sees the clean positions allowed by `_clean_mask`.
+
+        The noisy stream is `noisy` (blocks with their own positions and history), or else one noisy copy
+        of every block of `layout`. x_noisy=None runs the clean stream only (prefill); a given (empty)
+        cache receives its keys and values.
+        """
+        clean_mask = self._clean_mask(layout)
         if x_noisy is None:
             q, k, v, gate = self._project(x_clean, positions)
             if cache is not None:
                 cache.keys, cache.values, cache.used = k, v, k.shape[2]
-            return None, self._output(self._attend(q, k, v, same | earlier), gate)
+            return None, self._output(self._attend(q, k, v, clean_mask), gate)
+        if noisy is None:
+            noisy = NoisyBlocks.of_layout(layout)
         length = x_noisy.shape[1]
-        q, k, v, gate = self._project(torch.cat([x_noisy, x_clean], dim=1), torch.cat([positions, positions]))
+        q, k, v, gate = self._project(torch.cat([x_noisy, x_clean], dim=1), torch.cat([noisy.positions, positions]))
         if cache is not None:
-            cache.keys, cache.values, cache.used = k[:, :, length:], v[:, :, length:], length
-        top = torch.cat([same, earlier], dim=1)  # noisy queries
-        bottom = torch.cat([torch.zeros_like(same), same | earlier], dim=1)  # clean queries
+            cache.keys, cache.values, cache.used = k[:, :, length:], v[:, :, length:], k.shape[2] - length
+        clean_positions = torch.arange(x_clean.shape[1], device=x_clean.device)
+        top = torch.cat([noisy.block[:, None] == noisy.block[None, :], clean_positions[None, :] < noisy.history[:, None]], 1)
+        bottom = torch.cat([clean_mask.new_zeros(clean_mask.shape[0], length), clean_mask], dim=1)
         out = self._output(self._attend(q, k, v, torch.cat([top, bottom], dim=0)), gate)
         return out[:, :length], out[:, length:]
 
     def forward_block(self, x, valid, cache: LayerCache, positions, lengths, commit: bool):
-        """One block per row: it sees row b's first lengths[b] cached tokens and its own valid positions."""
+        """One block per row: it sees row b's first lengths[b] cached tokens and its own valid positions
+        (the positions before it only, when committing under causal_clean_stream)."""
         q, k, v, gate = self._project(x, positions)
         cached_keys, cached_values = cache.cached_kv()
         if cached_keys is not None:
@@ -599,7 +646,12 @@ class CloverAttention(nn.Module):
             history = lengths
         else:
             keys, values, history = k, v, 0
-        out = self._output(self._attend(q, keys.to(q.dtype), values.to(q.dtype), block_padding_mask(valid, history)), gate)
+        mask = block_padding_mask(valid, history)
+        if commit and self.causal_clean and x.shape[1] > 1:
+            n = x.shape[1]
+            causal = torch.ones(n, keys.shape[2], dtype=torch.bool, device=x.device).tril(keys.shape[2] - n)
+            mask = causal[None, None] if mask is None else mask & causal
+        out = self._output(self._attend(q, keys.to(q.dtype), values.to(q.dtype), mask), gate)
         if commit:  # only committed (clean) tokens ever enter the cache
             cache.append_kv(k, v, lengths, valid)
         return out
@@ -615,20 +667,26 @@ class CloverDecoderLayer(nn.Module):
         else:
             self.self_attn = CloverAttention(config)
         self.post_attention_layernorm = CloverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = CloverSparseMoeBlock(config)
+        if config.mlp_type == "dense":
+            self.mlp = CloverMLP(config.hidden_size, config.intermediate_size)
+        else:
+            self.mlp = CloverSparseMoeBlock(config)
 
     @property
     def mixer(self):
         return self.linear_attn if self.layer_type == MEMORY else self.self_attn
 
     def _feed_forward(self, h):
-        out, aux = self.mlp(self.post_attention_layernorm(h))
-        return h + out, aux
+        out = self.mlp(self.post_attention_layernorm(h))
+        if isinstance(out, tuple):
+            return h + out[0], out[1]
+        return h + out, h.new_zeros((), dtype=torch.float32)
 
-    def forward_streams(self, h_noisy, h_clean, layout, positions, cache: LayerCache | None = None):
+    def forward_streams(self, h_noisy, h_clean, layout, positions, cache: LayerCache | None = None, noisy=None):
         norm = self.input_layernorm
+        extra = {} if noisy is None else {"noisy": noisy}
         mix_noisy, mix_clean = self.mixer.forward_streams(
-            None if h_noisy is None else norm(h_noisy), norm(h_clean), layout, positions, cache
+            None if h_noisy is None else norm(h_noisy), norm(h_clean), layout, positions, cache, **extra
         )
         if h_noisy is None:
             h, aux = self._feed_forward(h_clean + mix_clean)
@@ -708,6 +766,7 @@ class CloverOutput(ModelOutput):
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    clean_logits: torch.Tensor | None = None
 
 
 class CloverModel(CloverPreTrainedModel):
@@ -737,17 +796,28 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise CloverError(f"token ids must be in 0..{self.config.vocab_size - 1}")
 
-    def forward(self, input_ids, noisy_input_ids=None, block_sizes=None, logits_mask=None, **kwargs) -> CloverOutput:
-        """Two-stream training pass. input_ids = x_0, noisy_input_ids = x_t, both [B, L].
+    def forward(
+        self, input_ids, noisy_input_ids=None, block_sizes=None, logits_mask=None, noisy_blocks: NoisyBlocks | None = None,
+        clean_logits_mask=None, **kwargs,
+    ) -> CloverOutput:
+        """Two-stream training pass over the clean stream input_ids = x_0 [B, L] and a noisy stream:
+        either noisy_input_ids = x_t [B, L], one noisy copy of every block, or `noisy_blocks`, noisy
+        copies of chosen blocks only (all-attention stacks; the prompt is then computed once).
 
-        block_sizes partitions L (default: one token per block). logits_mask [B, L] (bool) limits the
-        vocabulary projection to the positions that are scored; logits then have shape [M, V].
+        block_sizes partitions L (default: one token per block). logits_mask (bool, the noisy stream's
+        shape) limits the vocabulary projection to the positions that are scored; logits are then [M, V].
+        clean_logits_mask [B, L] adds the clean stream's logits at those positions (clean_logits).
         """
         self._check_ids(input_ids)
         batch, length = input_ids.shape
-        if noisy_input_ids is None:
+        if noisy_blocks is not None:
+            if any(kind == MEMORY for kind in self.config.layer_types):
+                raise CloverError("noisy_blocks needs an all-attention stack; give noisy_input_ids for memory layers")
+            noisy_input_ids = noisy_blocks.input_ids
+            self._check_ids(noisy_input_ids)
+        elif noisy_input_ids is None:
             noisy_input_ids = input_ids
-        if noisy_input_ids.shape != input_ids.shape:
+        elif noisy_input_ids.shape != input_ids.shape:
             raise CloverError(f"noisy_input_ids {tuple(noisy_input_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
         block_sizes = list(block_sizes) if block_sizes is not None else [1] * length
         validate_block_sizes(block_sizes, length, self.config.max_block_size)
@@ -757,12 +827,15 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         h_noisy, h_clean = embed(noisy_input_ids), embed(input_ids)
         aux_total = h_noisy.new_zeros((), dtype=torch.float32)
         for layer in self.model.layers:
-            h_noisy, h_clean, aux = layer.forward_streams(h_noisy, h_clean, layout, positions)
+            h_noisy, h_clean, aux = layer.forward_streams(h_noisy, h_clean, layout, positions, noisy=noisy_blocks)
             aux_total = aux_total + aux
         hidden = self.model.norm(h_noisy)
         if logits_mask is not None:
             hidden = hidden[logits_mask]
-        return CloverOutput(logits=self.lm_head(hidden), hidden_states=hidden, aux_loss=aux_total)
+        clean_logits = None
+        if clean_logits_mask is not None:
+            clean_logits = self.lm_head(self.model.norm(h_clean[clean_logits_mask]))
+        return CloverOutput(logits=self.lm_head(hidden), hidden_states=hidden, aux_loss=aux_total, clean_logits=clean_logits)
 
     def prefill(self, input_ids, block_sizes: list[int], cache: CloverCache) -> torch.Tensor:
         """Commit a whole prompt as clean blocks in one parallel pass (same result as block-by-block commits).
@@ -832,7 +905,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         return self.decode(cache, step_ids=input_ids)
 
     def moe_blocks(self) -> list[CloverSparseMoeBlock]:
-        return [layer.mlp for layer in self.model.layers]
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, CloverSparseMoeBlock)]
 
     def update_router_bias(self) -> None:
         for block in self.moe_blocks():

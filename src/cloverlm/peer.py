@@ -68,12 +68,22 @@ def build_peer(config: Qwen3_5MoeTextConfig) -> Qwen3_5MoeForCausalLM:
 
 
 def is_peer_folder(folder: str | Path) -> bool:
-    """Whether config.json names the peer's model type (False without one: Clover's loader explains)."""
+    """Whether the folder holds a peer: config.json naming the peer's model type, or the autoregressive
+    adapter of a converted base (False otherwise: Clover's loader explains)."""
+    from .convert_train import adapter_objective
+
+    if adapter_objective(folder) == "ar":
+        return True
     return (Path(folder) / "config.json").is_file() and stored_model_type(folder) == Qwen3_5MoeTextConfig.model_type
 
 
 def load_peer(folder: str | Path, dtype: torch.dtype | None = torch.float32) -> Qwen3_5MoeForCausalLM:
-    """Load a peer model folder, with the same one-line errors (pickles, corrupt files) as Clover's."""
+    """Load a peer model folder, with the same one-line errors (pickles, corrupt files) as Clover's; an
+    autoregressive adapter folder is its base plus the adapter, merged (a transformers causal LM)."""
+    from .convert_train import adapter_objective, load_adapted
+
+    if adapter_objective(folder) == "ar":
+        return load_adapted(folder, dtype or torch.float32)[0]
     weights = checked_weights(folder)
     model = build_peer(read_config(Qwen3_5MoeTextConfig, folder))
     load_weights(model, weights)

