@@ -1,6 +1,8 @@
 # `make demo` and `make test` work on a fresh machine: each creates .venv when missing.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
+# The demo's autoregressive peer: the base itself (not fine-tuned) until an AR-tuned peer adapter ships
+PEER ?= base
 
 .PHONY: demo test test-all lint venv
 
@@ -17,7 +19,7 @@ $(VENV_STAMP): pyproject.toml Makefile
 venv: $(VENV_STAMP)
 
 demo: $(VENV_STAMP)
-	HF_HUB_OFFLINE=1 .venv/bin/clover demo
+	HF_HUB_OFFLINE=1 .venv/bin/clover demo --peer $(PEER)
 
 test: $(VENV_STAMP)
 	$(PY) -m pytest

@@ -49,7 +49,9 @@ def main() -> None:
     parser.add_argument("--model", default="models/smollm2-clover")
     parser.add_argument("--peer", default="base", help="an autoregressive peer folder, or 'base' (the base zero-shot)")
     parser.add_argument("--n", type=int, default=20)
+    parser.add_argument("--peer-n", type=int, default=20, help="held-out prompts per task for the peer")
     parser.add_argument("--sweep-n", type=int, default=5, help="prompts per threshold of the sweep")
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95])
     parser.add_argument("--chat", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", required=True)
@@ -60,15 +62,15 @@ def main() -> None:
     peer = load_base()[0] if args.peer == "base" else load_peer(args.peer)
     sizes = {"no_fly_zones": {"n_messages": 20}}
     tasks = ["no_fly_zones", "tool_call"]
-    report: dict = {"model": args.model, "peer": args.peer, "n": args.n}
+    report: dict = {"model": args.model, "peer": args.peer, "n": args.n, "peer_n": args.peer_n, "sweep_n": args.sweep_n}
     report["clover_b1"] = evaluate_tasks(model, tokenizer, tasks, args.n, block_size=1, threshold=1.0, sizes=sizes)
     print(json.dumps(report["clover_b1"]), flush=True)
     report["clover_b16"] = evaluate_tasks(model, tokenizer, tasks, args.n, block_size=16, threshold=0.9, sizes=sizes)
     print(json.dumps(report["clover_b16"]), flush=True)
-    report["peer"] = evaluate_tasks(peer, tokenizer, tasks, args.n, sizes=sizes)
+    report["peer"] = evaluate_tasks(peer, tokenizer, tasks, args.peer_n, sizes=sizes)
     print(json.dumps(report["peer"]), flush=True)
     report["threshold_sweep_b16"] = {}
-    for threshold in (0.5, 0.7, 0.8, 0.9, 0.95):
+    for threshold in args.thresholds:
         result = evaluate_tasks(model, tokenizer, ["no_fly_zones"], args.sweep_n, block_size=16, threshold=threshold, sizes=sizes)
         report["threshold_sweep_b16"][str(threshold)] = result["no_fly_zones"]
         print(threshold, json.dumps(result), flush=True)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from cloverlm import CloverError
 from cloverlm.checkpoint import load_model, save_model
-from cloverlm.diffusion import diffusion_loss, mask_blocks, sample_partition, uniform_partition
+from cloverlm.diffusion import diffusion_loss, fixed_partition, mask_blocks, sample_partition
 from conftest import losses, tiny_model
 
 
@@ -28,8 +28,9 @@ def test_partition_covers_sequence_without_crossing_chunks():
         assert ((starts // 64) == ((ends - 1) // 64)).all()
     with pytest.raises(CloverError, match="must include 1"):
         sample_partition(64, [4, 8], g)
-    with pytest.raises(CloverError, match="block size 5 does not divide the sequence length 64"):
-        uniform_partition(64, 5)
+    assert fixed_partition(64, 5) == [5] * 12 + [4] and fixed_partition(64, 16) == [16] * 4
+    with pytest.raises(CloverError, match="block size must be at least 1"):
+        fixed_partition(64, 0)
 
 
 def test_masking_per_block_and_complementary():

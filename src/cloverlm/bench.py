@@ -63,6 +63,7 @@ from .checkpoint import load_model
 from .config import ATTENTION
 from .data import TokenizedExample, heldout_examples
 from .decide import bench_decisions
+from .diffusion import fixed_partition
 from .engine import AUTO, DecodeParams, Engine, Request
 from .errors import CloverError
 from .evaluate import answer_budget, stop_token_ids
@@ -321,7 +322,7 @@ def _filled_cache(model: CloverForBlockDiffusion, context: int) -> CloverCache:
     ids = _random_ids(config.vocab_size, context, torch.Generator().manual_seed(context))
     parallel = min(context, PREFILL_LIMIT) if ATTENTION in config.layer_types else context
     size = config.max_block_size
-    blocks = [size] * (parallel // size) + ([parallel % size] if parallel % size else [])
+    blocks = fixed_partition(parallel, size)
     cache = CloverCache.empty(config, 1)
     model.prefill(ids[:, :parallel], blocks, cache)
     for start in tqdm(range(parallel, context, size), desc=f"commit {context} tokens", leave=False, disable=parallel == context):

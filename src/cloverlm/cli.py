@@ -434,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="drone no-fly zones from air-traffic messages: Clover beside its peer, 3D map")
     p.add_argument("--messages", help="a file of your own messages, one a line (default: 20 generated ones)")
     p.add_argument("--model", help=f"Clover model folder (default: {DEFAULT_MODEL})")
-    p.add_argument("--peer", help=f"the autoregressive peer's folder (default: models/{DEFAULT_PEER}, skipped if absent)")
+    p.add_argument("--peer", help=f"the autoregressive peer's folder, or 'base': the converted model's base, not fine-tuned (default: models/{DEFAULT_PEER}, skipped if absent)")
     p.add_argument("--no-peer", action="store_true", help="Clover only")
     p.add_argument("--json", help="also write the zones, wall times, TPF and scores here")
     p.add_argument("--seed", type=int, default=0, help="which generated set of messages")

@@ -235,10 +235,10 @@ class ConvertTrainer:
 
         atomic_write_dir(self.checkpoint, write)
 
-    def cfg_meta_write(self, folder: Path) -> None:
+    def cfg_meta_write(self, folder: Path, dtype=torch.float32) -> None:
         meta = {"base": self.cfg.base, "objective": self.cfg.objective, "lora_rank": self.cfg.lora_rank,
                 "lora_alpha": self.cfg.lora_alpha, "steps": self.step, "recipe": "convert", "config": asdict(self.cfg)}  # fmt: skip
-        save_adapter(self.model, self.tokenizer, folder, meta)
+        save_adapter(self.model, self.tokenizer, folder, meta, dtype)
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16)
@@ -292,5 +292,6 @@ class ConvertTrainer:
                 self._save_checkpoint()
         bar.close()
         self._save_checkpoint()
-        atomic_write_dir(self.out / "adapter", self.cfg_meta_write)
+        # The shipped delta in bf16 (under 30 MB at rank 32); the checkpoint keeps fp32 for exact resume.
+        atomic_write_dir(self.out / "adapter", lambda folder: self.cfg_meta_write(folder, torch.bfloat16))
         return {"step": self.step, "out": str(self.out / "adapter")}

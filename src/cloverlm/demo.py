@@ -38,6 +38,8 @@ from .tasks.base import Example
 from .tasks.no_fly_zones import FIELDS, INSTRUCTION, format_prompt, parse_zones, prompt_messages
 from .tokenizer import SPECIAL_TOKENS, format_chat, load_tokenizer
 
+BASE_PEER = "base"  # --peer base: the converted model's base, zero-shot
+
 TASK = "no_fly_zones"
 GENERATED_MESSAGES = 20
 # The prompt (chat template included) may hold at most this many tokens: about 50 messages. The
@@ -388,6 +390,14 @@ def _load_peer(folder: Path | None, required: bool, tokenizer, console: Console)
     (it is trained separately; the demo then shows Clover alone)."""
     if folder is None:
         return None
+    if str(folder) == BASE_PEER:
+        from .convert import DEFAULT_BASE, load_base
+
+        base, base_tokenizer = load_base(DEFAULT_BASE)
+        if base_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise CloverError(f"--peer {BASE_PEER} is {DEFAULT_BASE}, whose tokenizer is not this model's")
+        _note(console, f"the peer is {DEFAULT_BASE} itself, not fine-tuned (transformers' generate)")
+        return base
     if not (folder / "config.json").is_file() and not (folder / "clover_adapter.json").is_file():
         train = "train one with `clover train --recipe convert --arch ar ...`"
         if required:

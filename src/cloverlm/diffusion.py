@@ -42,10 +42,11 @@ def sample_partition(length: int, sizes: list[int], generator: torch.Generator, 
     return partition
 
 
-def uniform_partition(length: int, block_size: int) -> list[int]:
-    if block_size < 1 or length % block_size:
-        raise CloverError(f"block size {block_size} does not divide the sequence length {length}")
-    return [block_size] * (length // block_size)
+def fixed_partition(length: int, block_size: int) -> list[int]:
+    """Blocks of `block_size` covering `length` positions, the last one shorter when it does not divide."""
+    if block_size < 1:
+        raise CloverError(f"block size must be at least 1, got {block_size}")
+    return [block_size] * (length // block_size) + ([length % block_size] if length % block_size else [])
 
 
 @dataclass

@@ -44,6 +44,7 @@ from typing import Protocol
 
 import torch
 
+from .diffusion import fixed_partition
 from .errors import CloverError
 from .model import CloverCache, CloverForBlockDiffusion
 
@@ -350,7 +351,7 @@ class Engine:
                 size = self.calibration.prefill_block_size
             history = prompt[:-1]  # the last prompt token opens the first block (shifted convention)
             if history:
-                partition = [size] * (len(history) // size) + ([len(history) % size] if len(history) % size else [])
+                partition = fixed_partition(len(history), size)
                 ids = torch.tensor([history], device=self.device)
                 row.last_hidden = self.model.prefill(ids, partition, cache)[0].cpu()
             if row.request.slots is not None:

@@ -35,7 +35,7 @@ from .checkpoint import (
 )
 from .config import CloverConfig, preset_config
 from .data import Batch, Mixture, build_default_tokenizer, heldout_examples, tokenize_stdlib
-from .diffusion import diffusion_loss, mask_blocks, sample_partition, shift_noise
+from .diffusion import diffusion_loss, fixed_partition, mask_blocks, sample_partition, shift_noise
 from .errors import CloverError
 from .model import CloverForBlockDiffusion
 from .tokenizer import load_tokenizer
@@ -134,11 +134,6 @@ def lr_at(step: int, cfg: TrainConfig, max_steps: int) -> float:
 # Evaluation
 
 
-def partition_of(length: int, block_size: int) -> list[int]:
-    """Blocks of `block_size` covering `length` positions, the last one shorter when needed."""
-    return [block_size] * (length // block_size) + ([length % block_size] if length % block_size else [])
-
-
 @torch.no_grad()
 def copy_probe(model, examples, block_size: int) -> float:
     """Accuracy on masked value tokens of task answers (ids, coordinates, values) with the rest given."""
@@ -149,7 +144,7 @@ def copy_probe(model, examples, block_size: int) -> float:
         ids = torch.tensor([ex.ids], device=model.device)
         masked = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
         masked[0, [p - 1 for p in ex.value_positions]] = True  # target index of token p is p - 1
-        sizes = partition_of(ids.shape[1] - 1, block_size)
+        sizes = fixed_partition(ids.shape[1] - 1, block_size)
         noisy = shift_noise(ids, masked, sizes, model.config.mask_token_id)
         logits = model(ids[:, :-1], noisy, sizes, logits_mask=masked).logits
         correct += int((logits.argmax(-1) == ids[:, 1:][masked]).sum())
@@ -161,7 +156,7 @@ def copy_probe(model, examples, block_size: int) -> float:
 def heldout_elbo(model, windows: torch.Tensor, block_size: int, seed: int = 1234) -> float:
     """Masked-diffusion ELBO per token on held-out stdlib windows (block size 1 = next-token NLL)."""
     generator = torch.Generator().manual_seed(seed)
-    sizes = partition_of(windows.shape[1] - 1, block_size)
+    sizes = fixed_partition(windows.shape[1] - 1, block_size)
     eligible = torch.ones_like(windows, dtype=torch.bool)
     noised = mask_blocks(
         windows, eligible, sizes, model.config.mask_token_id, generator, t_fixed=1.0 if block_size == 1 else None
