@@ -134,7 +134,12 @@ def cmd_convert(args) -> None:
     """A pretrained base as an ordinary Clover model folder (before any fine-tuning: the base at B = 1)."""
     from .checkpoint import save_model
     from .convert import converted
+    from .convert_qwen import convert_qwen, is_qwen_folder
 
+    if is_qwen_folder(args.base):  # a Qwen3.5-MoE folder has its own converter (convert_qwen.py)
+        convert_qwen(args.base, args.out)
+        print(f"{args.base} (Qwen3.5-MoE) converted into {args.out}")
+        return
     model, tokenizer = converted(args.base)
     save_model(model, tokenizer, Path(args.out))
     print(f"{args.base} converted: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters in {args.out}")
@@ -380,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("convert", help="a pretrained autoregressive base as a Clover model folder")
-    p.add_argument("--base", default="smollm2-135m-instruct", help="a packaged base (smollm2-135m-instruct) or a Llama folder")
+    p.add_argument("--base", default="smollm2-135m-instruct", help="a packaged base (smollm2-135m-instruct), a Llama folder or a Qwen3.5-MoE folder")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_convert)
 

@@ -19,6 +19,7 @@ MEMORY, ATTENTION = "linear_attention", "full_attention"
 LAYER_TYPES = (MEMORY, ATTENTION)
 LAYER_TYPE_ALIASES = {"memory": MEMORY, "attention": ATTENTION}
 MLP_TYPES = ("moe", "dense")
+MEMORY_BLOCK_MIXING = ("attention", "delta")
 
 
 class CloverConfig(PretrainedConfig):
@@ -31,6 +32,10 @@ class CloverConfig(PretrainedConfig):
         num_hidden_layers: int = 4,
         layer_types: list[str] | None = None,
         rms_norm_eps: float = 1e-6,
+        # RMSNorm scales by (1 + weight), weight starting at 0 (Qwen3.5's layer, final and q/k norms);
+        # False: by weight, starting at 1. Only converted Qwen3.5 checkpoints set it: storing 1 + w
+        # instead would round every norm scale to bf16's 8 bits near 1.
+        rms_norm_zero_centered: bool = False,
         initializer_range: float = 0.02,
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 65536,
@@ -40,6 +45,7 @@ class CloverConfig(PretrainedConfig):
         head_dim: int = 32,
         attention_output_gate: bool = True,  # Qwen3.5's sigmoid gate; Llama-family bases have none
         attention_qk_norm: bool = True,  # RMSNorm on q and k per head; Llama-family bases have none
+        partial_rotary_factor: float = 1.0,  # rotary on the first head_dim * factor dims (Qwen3.5: 0.25)
         # Committed tokens attend causally inside their block (as the autoregressive base they were
         # converted from) instead of bidirectionally: design section 7.
         causal_clean_stream: bool = False,
@@ -50,6 +56,12 @@ class CloverConfig(PretrainedConfig):
         linear_value_head_dim: int = 32,
         linear_conv_kernel_dim: int = 5,
         memory_decay_range: tuple[float, float] = (0.9, 0.9999),
+        # How a memory layer mixes the tokens of its own block. "attention": Clover's bidirectional
+        # in-block attention, fused with the history read-out by a learned gate (design section 2b).
+        # "delta": Qwen3.5's gated delta rule run causally over the block from the history state (a
+        # scratch state, never committed): no fusion gate, no temperature; a converted Qwen3.5 base is
+        # then the base at block size 1.
+        memory_block_mixing: str = "attention",
         # feed-forward: "moe" (routed experts + shared expert) or "dense" (one SwiGLU, as a Llama base)
         mlp_type: str = "moe",
         intermediate_size: int = 0,  # the dense SwiGLU's width
@@ -77,6 +89,7 @@ class CloverConfig(PretrainedConfig):
             for kind in (layer_types if layer_types is not None else default_layer_types(num_hidden_layers))
         ]
         self.rms_norm_eps = rms_norm_eps
+        self.rms_norm_zero_centered = rms_norm_zero_centered
         self.initializer_range = initializer_range
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
@@ -85,6 +98,7 @@ class CloverConfig(PretrainedConfig):
         self.head_dim = head_dim
         self.attention_output_gate = attention_output_gate
         self.attention_qk_norm = attention_qk_norm
+        self.partial_rotary_factor = partial_rotary_factor
         self.causal_clean_stream = causal_clean_stream
         self.mlp_type = mlp_type
         self.intermediate_size = intermediate_size
@@ -94,6 +108,7 @@ class CloverConfig(PretrainedConfig):
         self.linear_value_head_dim = linear_value_head_dim
         self.linear_conv_kernel_dim = linear_conv_kernel_dim
         self.memory_decay_range = tuple(memory_decay_range)
+        self.memory_block_mixing = memory_block_mixing
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
         self.moe_intermediate_size = moe_intermediate_size
@@ -139,6 +154,10 @@ class CloverConfig(PretrainedConfig):
             problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}")
         if self.head_dim % 2 or self.linear_key_head_dim % 2:
             problems.append("head_dim and linear_key_head_dim must be even (rotary positions)")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            problems.append(f"partial_rotary_factor={self.partial_rotary_factor} must give an even rotary width in 2..head_dim")
+        if self.memory_block_mixing not in MEMORY_BLOCK_MIXING:
+            problems.append(f"memory_block_mixing={self.memory_block_mixing!r} is unknown (choose from {', '.join(MEMORY_BLOCK_MIXING)})")
         if not 1 <= self.max_block_size <= 64:
             problems.append(f"max_block_size={self.max_block_size} must be in 1..64")
         for name in ("mask_token_id", "pad_token_id", "eos_token_id"):
@@ -154,6 +173,11 @@ class CloverConfig(PretrainedConfig):
     @property
     def conv_radius(self) -> int:
         return self.linear_conv_kernel_dim // 2
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of an attention head are rotated."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 def default_layer_types(num_layers: int) -> list[str]:
@@ -223,12 +247,13 @@ def parameter_counts(config: CloverConfig) -> dict[str, int]:
     lm_head = c.vocab_size * h
     key_dim = c.linear_num_key_heads * c.linear_key_head_dim
     value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+    fusion = c.memory_block_mixing == "attention"  # in_proj_lam and attn_log_temperature exist
     memory = (
         h * (2 * key_dim + value_dim)  # in_proj_qkv
         + (2 * key_dim + value_dim) * c.linear_conv_kernel_dim  # depthwise conv1d
         + h * value_dim  # in_proj_z
-        + 3 * h * c.linear_num_value_heads  # in_proj_b, in_proj_a, in_proj_lam
-        + 3 * c.linear_num_value_heads  # dt_bias, A_log, attn_log_temperature
+        + (3 if fusion else 2) * h * c.linear_num_value_heads  # in_proj_b, in_proj_a (, in_proj_lam)
+        + (3 if fusion else 2) * c.linear_num_value_heads  # dt_bias, A_log (, attn_log_temperature)
         + c.linear_value_head_dim  # gated norm
         + value_dim * h  # out_proj
     )

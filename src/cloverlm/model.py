@@ -233,16 +233,20 @@ class CloverCache:
 
 
 class CloverRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """RMSNorm scaled by weight, or by (1 + weight) when zero_centered (config.rms_norm_zero_centered)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
 
     def forward(self, x):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x).to(dtype)
+        weight = 1.0 + self.weight.float() if self.zero_centered else self.weight
+        return (weight * x).to(dtype)
 
 
 class CloverGatedRMSNorm(CloverRMSNorm):
@@ -252,12 +256,15 @@ class CloverGatedRMSNorm(CloverRMSNorm):
         return super().forward(x) * F.silu(gate.float()).to(x.dtype)
 
 
-def rotary(x, positions, theta: float):
+def rotary(x, positions, theta: float, rotary_dim: int | None = None):
     """Rotate pairs (i, i + D/2) of x [B, T, H, D] by angles positions * theta^(-2i/D).
 
     positions: [T] (shared by the batch) or [B, T] (rows at different offsets, as in batched decoding).
+    rotary_dim < D: only the first rotary_dim dims are rotated (D := rotary_dim above), the rest pass.
     """
     dim = x.shape[-1]
+    if rotary_dim is not None and rotary_dim < dim:
+        return torch.cat([rotary(x[..., :rotary_dim], positions, theta), x[..., rotary_dim:]], dim=-1)
     inv_freq = theta ** -(torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
     angles = positions.float()[..., None] * inv_freq
     if angles.dim() == 2:
@@ -371,6 +378,53 @@ def block_attention(q, k, v, layout: BlockLayout, temperature=None):
     return result
 
 
+def in_block_delta(q, k, v, log_decay, beta, layout: BlockLayout):
+    """Split the gated delta rule run over each block alone, from the state S before it, into a history
+    part and an in-block part: for slot i of block b (t <= i: the block's slots up to i),
+
+        o_i = S^T q'_i / sqrt(Dk) + local_i,    q'_i = G_i q_i - sum_t P_it w_t,    local_i = sum_t P_it u_t / sqrt(Dk)
+
+    with G the decay since the block's start, P_it = (q_i . k_t) G_i / G_t and u, w the block's WY
+    corrections (the chunked form's, with the block as the chunk). S^T q' is what the two-stream rule
+    returns for noisy queries, so every block reads its own history in one batched pass.
+    q, k [B, L, H, Dk] (heads already repeated), v [B, L, H, Dv], log_decay, beta [B, L, H]; returns
+    (q' [B, L, H, Dk], local [B, L, H, Dv] fp32).
+    """
+    batch, length, heads, dk = k.shape
+    index = layout.chunk_index
+    valid = index >= 0
+    gather = torch.where(valid, index, length)
+
+    def to_chunks(x):  # [B, L, H, ...] -> [B, H, N, C, ...], zero rows in padding slots
+        x = x.float()
+        return torch.cat([x, x.new_zeros(x[:, :1].shape)], dim=1)[:, gather].movedim(3, 1)
+
+    qc, kc, vc, gc, bc = (to_chunks(x) for x in (q, k, v, log_decay, beta))
+    size = index.shape[1]
+    same_block = layout.chunk_block[:, :, None] == layout.chunk_block[:, None, :]  # [N, C, C]
+    slots = torch.arange(size, device=k.device)
+    causal = same_block & (slots[:, None] >= slots[None, :])
+    strict = causal & (slots[:, None] > slots[None, :])
+    # Log-decay since each block's start: the chunk's cumulative sum less what came before the block.
+    cumulative = gc.cumsum(-1)
+    first_slot = same_block.float().argmax(-1).expand_as(gc)
+    g = cumulative - torch.gather(cumulative - gc, -1, first_slot)
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    system = torch.eye(size, device=k.device) + (bc[..., None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)
+    u = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, bc[..., None] * kc * g.exp()[..., None], upper=False, unitriangular=True)
+    p = (qc @ kc.transpose(-1, -2)) * decay
+
+    def from_chunks(x):  # [B, H, N, C, D] -> [B, L, H, D]
+        x = x.movedim(1, 3).reshape(batch, -1, heads, x.shape[-1])
+        out = x.new_empty(batch, length, heads, x.shape[-1])
+        out[:, index[valid]] = x[:, valid.reshape(-1)]
+        return out
+
+    q_history = from_chunks(qc * g.exp()[..., None] - p @ w).to(q.dtype)
+    return q_history, from_chunks(p @ u) * dk**-0.5
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory layer: the restructured Gated DeltaNet
 
@@ -381,6 +435,10 @@ class CloverMemoryMixer(nn.Module):
     Names follow Qwen3.5's Qwen3_5MoeGatedDeltaNet where the parts correspond (in_proj_qkv, in_proj_z,
     in_proj_a, in_proj_b, conv1d, dt_bias, A_log, norm, out_proj); in_proj_lam (the fusion gate) and
     attn_log_temperature are Clover's own.
+
+    With config.memory_block_mixing = "delta" (converted Qwen3.5 bases) steps 3-5 become Qwen3.5's own:
+    each block's tokens run causally through the delta rule from the history state, no in-block
+    attention and no fusion gate (see `in_block_delta`).
     """
 
     def __init__(self, config: CloverConfig):
@@ -393,17 +451,20 @@ class CloverMemoryMixer(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.radius = config.conv_radius
         self.rope_theta = config.rope_theta
+        self.delta_mixing = config.memory_block_mixing == "delta"
         conv_dim = 2 * self.key_dim + self.value_dim
         h = config.hidden_size
         self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)
         self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
-        self.in_proj_lam = nn.Linear(h, self.num_v_heads, bias=False)
+        if not self.delta_mixing:
+            self.in_proj_lam = nn.Linear(h, self.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.attn_log_temperature = nn.Parameter(torch.zeros(self.num_v_heads))
+        if not self.delta_mixing:
+            self.attn_log_temperature = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = CloverGatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
 
@@ -431,7 +492,9 @@ class CloverMemoryMixer(nn.Module):
 
     def _fuse(self, x, o_mem, o_attn):
         lam = torch.sigmoid(self.in_proj_lam(x).float())[..., None]
-        o = (lam * o_mem.float() + (1 - lam) * o_attn.float()).to(x.dtype)
+        return self._output(x, (lam * o_mem.float() + (1 - lam) * o_attn.float()).to(x.dtype))
+
+    def _output(self, x, o):
         batch, length = x.shape[:2]
         z = self.in_proj_z(x).reshape(batch, length, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(o, z).reshape(batch, length, self.value_dim))
@@ -454,12 +517,22 @@ class CloverMemoryMixer(nn.Module):
         if x_noisy is not None:
             qn, kn, vn = self._split_heads(self._block_conv(self.in_proj_qkv(x_noisy), proj_clean, layout))
         log_decay, beta = self._gates(x_clean)
+        local = None
+        if self.delta_mixing and x_noisy is not None:
+            # The history part of each noisy block's causal pass is a read-out of S_{b-1} with
+            # adjusted queries; the in-block part needs no history.
+            qn, local = in_block_delta(qn, kn, vn, *self._gates(x_noisy), layout)
         mem_clean, final_state, mem_noisy = two_stream_gated_delta_rule(
             qc, kc, vc, log_decay, beta, block_sizes=layout.block_sizes, chunk_size=layout.chunk_size, q_noisy=qn
         )
         if cache is not None:
             cache.state = final_state
             cache.conv_tail = F.pad(proj_clean, (0, 0, self.radius, 0))[:, proj_clean.shape[1] :]
+        if self.delta_mixing:
+            out_clean = self._output(x_clean, mem_clean)
+            if x_noisy is None:
+                return None, out_clean
+            return self._output(x_noisy, (mem_noisy.float() + local).to(x_noisy.dtype)), out_clean
         temperature = self._temperature()
         qc_r, kc_r = self._rope(qc, kc, positions)
         out_clean = self._fuse(x_clean, mem_clean, block_attention(qc_r, kc_r, vc, layout, temperature))
@@ -501,19 +574,23 @@ class CloverMemoryMixer(nn.Module):
         rows = torch.cat([cache.conv_tail.to(proj.dtype), proj], dim=1)
         window = torch.cat([rows, proj.new_zeros(proj.shape[0], r, proj.shape[-1])], dim=1)
         q, k, v = self._split_heads(self._conv(window))
-        if commit:
+        if commit or self.delta_mixing:
             log_decay, beta = self._gates(x)
             # beta = 0 and decay 1 at padding: those positions leave the state untouched.
             log_decay, beta = log_decay.masked_fill(~valid[..., None], 0.0), beta.masked_fill(~valid[..., None], 0.0)
             n = x.shape[1]
-            o_mem, cache.state, _ = two_stream_gated_delta_rule(
+            o_mem, state, _ = two_stream_gated_delta_rule(
                 q, k, v, log_decay, beta, block_sizes=[n], chunk_size=n, initial_state=cache.state
             )
-            if r:
+            if commit:  # a denoising step under delta mixing wrote a scratch state: dropped
+                cache.state = state
+            if commit and r:
                 ends = valid.sum(1)[:, None] + torch.arange(r, device=x.device)  # the last r committed rows
                 cache.conv_tail = rows.gather(1, ends[..., None].expand(-1, -1, rows.shape[-1]))
         else:
             o_mem = gated_delta_readout(q, cache.state)
+        if self.delta_mixing:
+            return self._output(x, o_mem)
         q_r, k_r = self._rope(q, k, positions)
         temperature = self._temperature().view(1, -1, 1, 1)
         o_attn = F.scaled_dot_product_attention(
@@ -564,6 +641,7 @@ class CloverAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
+        self.rotary_dim = config.rotary_dim
         self.gated = config.attention_output_gate
         self.causal_clean = config.causal_clean_stream
         h = config.hidden_size
@@ -573,8 +651,8 @@ class CloverAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
         if config.attention_qk_norm:
-            self.q_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps, zero_centered=config.rms_norm_zero_centered)
+            self.k_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps, zero_centered=config.rms_norm_zero_centered)
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
@@ -587,8 +665,8 @@ class CloverAttention(nn.Module):
             q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        q = rotary(self.q_norm(q), positions, self.rope_theta)
-        k = rotary(self.k_norm(k), positions, self.rope_theta)
+        q = rotary(self.q_norm(q), positions, self.rope_theta, self.rotary_dim)
+        k = rotary(self.k_norm(k), positions, self.rope_theta, self.rotary_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate
 
     def _output(self, attn, gate):
@@ -661,12 +739,13 @@ class CloverDecoderLayer(nn.Module):
     def __init__(self, config: CloverConfig, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
-        self.input_layernorm = CloverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        norm = dict(eps=config.rms_norm_eps, zero_centered=config.rms_norm_zero_centered)
+        self.input_layernorm = CloverRMSNorm(config.hidden_size, **norm)
         if layer_type == MEMORY:
             self.linear_attn = CloverMemoryMixer(config)
         else:
             self.self_attn = CloverAttention(config)
-        self.post_attention_layernorm = CloverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = CloverRMSNorm(config.hidden_size, **norm)
         if config.mlp_type == "dense":
             self.mlp = CloverMLP(config.hidden_size, config.intermediate_size)
         else:
@@ -744,7 +823,7 @@ class CloverPreTrainedModel(PreTrainedModel):
             module.weight.normal_(0.0, std)
             module.weight[:, 0, module.weight.shape[-1] // 2] += 1.0
         elif isinstance(module, CloverRMSNorm):
-            module.weight.fill_(1.0)
+            module.weight.fill_(0.0 if module.zero_centered else 1.0)
         elif isinstance(module, CloverExperts):
             module.gate_up_proj.normal_(0.0, std)
             module.down_proj.normal_(0.0, std)
@@ -758,7 +837,8 @@ class CloverPreTrainedModel(PreTrainedModel):
             rates = torch.logspace(math.log10(-math.log(hi)), math.log10(-math.log(lo)), heads)
             module.dt_bias.fill_(0.5413248546129181)  # softplus(x) = 1
             module.A_log.copy_(rates.log())
-            module.attn_log_temperature.zero_()
+            if not module.delta_mixing:
+                module.attn_log_temperature.zero_()
 
 
 @dataclass
@@ -774,7 +854,7 @@ class CloverModel(CloverPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(CloverDecoderLayer(config, kind) for kind in config.layer_types)
-        self.norm = CloverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = CloverRMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=config.rms_norm_zero_centered)
         self.post_init()
 
 
