@@ -68,6 +68,17 @@ def test_block_size_one_decodes_as_transformers_generate(pair):
     assert done.tokens == expected[0, len(prompt) :].tolist()
 
 
+def test_prompt_lookup_keeps_the_peers_greedy_tokens(pair):
+    from cloverlm.peer import peer_generate
+
+    base, _ = pair
+    prompt = [7, 31, 15, 60, 22, 9, 7, 31, 15, 60, 40, 7, 31]  # n-grams that repeat: drafts get proposed
+    plain = peer_generate(base, prompt, max_new_tokens=14)
+    assert peer_generate(base, prompt, max_new_tokens=14, prompt_lookup=4) == plain
+    with pytest.raises(CloverError, match="prompt_lookup"):
+        peer_generate(base, prompt, prompt_lookup=-1)
+
+
 def test_clean_stream_is_causal_at_every_block_size(pair):
     """Committed tokens see only the tokens before them: committing a block at once or token by token
     leaves the same cache, so later logits agree."""

@@ -279,7 +279,7 @@ class ConvertTrainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-            record = {"step": self.step, "loss": round(float(loss), 4), "lr": lr_at(self.step - 1, cfg),
+            record = {"step": self.step, "loss": round(float(loss.detach()), 4), "lr": lr_at(self.step - 1, cfg),
                       "grad_norm": round(float(norm), 3), **{k: round(v, 4) for k, v in stats.items()},
                       "elapsed_s": round(time.time() - started, 1)}  # fmt: skip
             if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:

@@ -38,12 +38,13 @@ def _clover_completions(model, examples, stop_ids, *, block_size, threshold, bat
             yield completion.request_id, completion.tokens, completion.forwards
 
 
-def _peer_completions(model, examples, stop_ids) -> Iterator:
+def _peer_completions(model, examples, stop_ids, prompt_lookup: int) -> Iterator:
     from .peer import peer_generate
 
     for index, encoded in enumerate(examples):
-        tokens = peer_generate(model, encoded.ids[: encoded.prompt_length], answer_budget(encoded), stop_ids)
-        yield index, tokens, len(tokens)  # one forward per token
+        prompt = encoded.ids[: encoded.prompt_length]
+        tokens = peer_generate(model, prompt, answer_budget(encoded), stop_ids, prompt_lookup=prompt_lookup)
+        yield index, tokens, len(tokens)  # counted as one forward per token, drafts or not
 
 
 def evaluate_tasks(
@@ -57,11 +58,13 @@ def evaluate_tasks(
     batch_size: int = 8,
     calibration=None,
     sizes: dict[str, dict[str, int]] | None = None,
+    prompt_lookup: int = 0,
 ) -> dict:
     """Mean of each checker field over `count` held-out prompts per task, plus the tokens generated and
     tokens per forward.
     `model` is Clover or the peer (the decoding options are Clover's); `sizes` gives a generator's size
-    arguments by task (e.g. {"no_fly_zones": {"n_messages": 4}}); block_size="auto" needs `calibration`."""
+    arguments by task (e.g. {"no_fly_zones": {"n_messages": 4}}); block_size="auto" needs `calibration`;
+    prompt_lookup is the peer's (see peer_generate)."""
     is_clover = model.config.model_type == "clover"
     report = {}
     for name in task_names:
@@ -73,7 +76,7 @@ def evaluate_tasks(
                 batch_size=batch_size, calibration=calibration,
             )  # fmt: skip
         else:
-            completions = _peer_completions(model, examples, stop_token_ids(tokenizer))
+            completions = _peer_completions(model, examples, stop_token_ids(tokenizer), prompt_lookup)
         started = time.perf_counter()
         totals: dict[str, float] = {}
         tokens = forwards = 0

@@ -140,15 +140,24 @@ def copy_accuracy(model: Qwen3_5MoeForCausalLM, examples) -> float:
 
 @torch.no_grad()
 def peer_generate(
-    model: Qwen3_5MoeForCausalLM, prompt_ids: list[int], max_new_tokens: int = 256, stop_ids: tuple[int, ...] = ()
+    model: Qwen3_5MoeForCausalLM,
+    prompt_ids: list[int],
+    max_new_tokens: int = 256,
+    stop_ids: tuple[int, ...] = (),
+    prompt_lookup: int = 0,
 ) -> list[int]:
-    """Greedy decoding with transformers' generate and its cache; the new tokens, cut before the first stop id."""
+    """Greedy decoding with transformers' generate and its cache; the new tokens, cut before the first stop id.
+    prompt_lookup > 0 drafts that many tokens from the prompt's n-gram matches (transformers'
+    prompt_lookup_num_tokens): the same greedy tokens, fewer forwards on extraction."""
     if not prompt_ids:
         raise CloverError("empty prompt: at least one token is needed")
     if max_new_tokens < 1:
         raise CloverError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if min(prompt_ids) < 0 or max(prompt_ids) >= model.config.vocab_size:
         raise CloverError(f"token ids must be in 0..{model.config.vocab_size - 1}")
+    if prompt_lookup < 0:
+        raise CloverError(f"prompt_lookup must be 0 (off) or a number of draft tokens, got {prompt_lookup}")
+    lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
     ids = torch.tensor([prompt_ids])
     output = model.generate(
         ids,
@@ -161,6 +170,7 @@ def peer_generate(
         # decoder stops only where it is told to.
         eos_token_id=list(stop_ids),
         pad_token_id=model.config.pad_token_id,
+        **lookup,
     )
     new_tokens = output[0, len(prompt_ids) :].tolist()
     stops = set(stop_ids)
