@@ -1,8 +1,9 @@
 # `make demo` and `make test` work on a fresh machine: each creates .venv when missing.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
-# The demo's autoregressive peer: the base itself (not fine-tuned) until an AR-tuned peer adapter ships
-PEER ?= base
+# The demo's autoregressive peer: the same base fine-tuned autoregressively on the same examples and
+# steps (models/README.md); `make demo PEER=base` shows the base zero-shot instead.
+PEER ?= models/smollm2-peer
 
 .PHONY: demo test test-all lint venv
 

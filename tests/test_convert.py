@@ -2,6 +2,7 @@
 training forward against the decoding path, the adapter round trip, and the base's one-line errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +224,27 @@ def test_the_packaged_base_converts_exactly():
         expected = expected[: expected.index(tokenizer.eos_token_id)]
     [done] = Engine(model).generate([Request(prompt, DecodeParams(max_new_tokens=16, block_size=1))])
     assert done.tokens == expected
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models"
+
+
+@pytest.mark.parametrize("name, objective", [("smollm2-clover", "diffusion"), ("smollm2-peer", "ar")])
+def test_the_shipped_adapters_are_small_and_fit_the_base(name, objective):
+    """The shipped folders: a bf16 adapter under 30 MB that merges into the packaged base and changes it."""
+    from safetensors.torch import load_file
+
+    from cloverlm.checkpoint import load_model
+    from cloverlm.convert import load_base
+    from cloverlm.convert_train import adapter_objective
+    from cloverlm.peer import load_peer
+
+    folder = SHIPPED / name
+    assert adapter_objective(folder) == objective
+    assert (folder / "adapter_model.safetensors").stat().st_size < 30e6
+    assert {t.dtype for t in load_file(str(folder / "adapter_model.safetensors")).values()} == {torch.bfloat16}
+    model = load_model(folder) if objective == "diffusion" else load_peer(folder)
+    assert model.config.model_type == ("clover" if objective == "diffusion" else "llama")
+    base = load_base()[0]
+    merged = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    assert (merged - base.model.layers[0].self_attn.q_proj.weight).abs().max() > 1e-4
