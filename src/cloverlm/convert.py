@@ -159,23 +159,39 @@ def clover_config(llama_config, mask_token_id: int) -> CloverConfig:
     )
 
 
-def convert_weights(base_model, mask_token_id: int):
-    """A Clover model with the base's weights (Llama's parameter names are Clover's, one for one)."""
+def clover_from_state(config: CloverConfig, state: dict, source: str):
+    """A Clover model holding the tensors of `state` (Clover's names), loaded strictly. Built on the
+    meta device and given the tensors themselves, so a 35B conversion never allocates (or randomly
+    initialises) a second copy. A tied config takes lm_head from the embedding when the base stores
+    it once."""
     from .model import CloverForBlockDiffusion
 
+    if config.tie_word_embeddings and "lm_head.weight" not in state:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    with torch.device("meta"):
+        model = CloverForBlockDiffusion(config)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as error:  # torch's message: a header line, then one line per problem
+        detail = [line.strip() for line in str(error).splitlines() if line.strip()][1:2] or [str(error)]
+        raise CloverError(f"{source} weights do not map onto Clover: {detail[0][:200]}") from None
+    for block in model.moe_blocks():  # the running load count is not a weight: make it real
+        block.expert_load = torch.zeros(config.num_experts, device=block.expert_bias.device)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def convert_weights(base_model, mask_token_id: int):
+    """A Clover model with the base's weights (Llama's parameter names are Clover's, one for one),
+    copied: training the Clover model leaves the base as it was."""
     if base_model.config.model_type != "llama":
         raise CloverError(f"cannot convert a '{base_model.config.model_type}' model (Llama layouts only)")
     config = clover_config(base_model.config, mask_token_id)
-    model = CloverForBlockDiffusion(config)
-    state = {k: v for k, v in base_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    state = {k: v.clone() for k, v in base_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise CloverError(f"weights do not map one to one: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    model.tie_weights()
-    return model.to(base_model.dtype).eval()
+        state.pop("lm_head.weight", None)  # the embedding's twin: tied again after loading
+    return clover_from_state(config, state, "Llama")
 
 
 def convert(base_model, tokenizer):

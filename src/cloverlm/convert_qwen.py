@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .config import LAYER_TYPES, MEMORY, CloverConfig
-from .convert import base_folder
+from .convert import base_folder, clover_from_state
 from .errors import CloverError
 
 QWEN_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # the composite (vision + text) config, and its text part
@@ -121,8 +121,6 @@ def convert_qwen_weights(hf_state_dict: dict, hf_config, clover_config: CloverCo
             # r = K - 1: the same offsets are Clover's first K taps, the K - 1 future taps start at zero.
             tensor = torch.cat([tensor, tensor.new_zeros(*tensor.shape[:2], tensor.shape[-1] - 1)], dim=-1)
         state[key] = tensor
-    if "lm_head.weight" not in state:  # a tied base stores the embedding once
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     for index, kind in enumerate(clover_config.layer_types):
         prefix = f"model.layers.{index}."
         if f"{prefix}mlp.gate.weight" in state:  # Clover's balancing bias: zero changes no routing
@@ -133,30 +131,11 @@ def convert_qwen_weights(hf_state_dict: dict, hf_config, clover_config: CloverCo
     return state
 
 
-def clover_from_state(config: CloverConfig, state: dict):
-    """A Clover model holding `state`, loaded strictly. Built on the meta device and given the tensors
-    themselves, so a 35B conversion never allocates (or randomly initialises) a second copy."""
-    from .model import CloverForBlockDiffusion
-
-    with torch.device("meta"):
-        model = CloverForBlockDiffusion(config)
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as error:  # transformers' message: a header line, then one line per problem
-        detail = [line.strip() for line in str(error).splitlines() if line.strip()][1:2] or [str(error)]
-        raise CloverError(f"Qwen3.5 weights do not map onto Clover: {detail[0][:200]}") from None
-    for block in model.moe_blocks():  # the running load count is not a weight: make it real
-        block.expert_load = torch.zeros(config.num_experts, device=block.expert_bias.device)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
-
-
 def converted_qwen(hf_model, mask_token_id: int | None = None, eos_token_id: int | None = None):
     """A transformers Qwen3.5-MoE model (text or composite) as a Clover model, in memory."""
     config = qwen_clover_config(hf_model.config, mask_token_id, eos_token_id)
     state = convert_qwen_weights(hf_model.state_dict(), hf_model.config, config)
-    return clover_from_state(config, state)
+    return clover_from_state(config, state, "Qwen3.5")
 
 
 def _tokenizer_ids(tokenizer, vocab_size: int, mask_token_id: int | None) -> tuple[int | None, int]:
