@@ -21,7 +21,8 @@ def read_log(folder: Path) -> list[dict]:
 
 
 def moving_mean(values: list[float], width: int = 10) -> list[float]:
-    return [sum(values[max(0, i - width + 1) : i + 1]) / len(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
+    windows = (values[max(0, i - width + 1) : i + 1] for i in range(len(values)))
+    return [sum(window) / len(window) for window in windows]
 
 
 def main() -> None:

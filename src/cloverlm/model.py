@@ -241,6 +241,11 @@ class CloverRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
 
+    @classmethod
+    def of(cls, config: CloverConfig, dim: int) -> CloverRMSNorm:
+        """The layer, final and q/k norms: the config's epsilon and centring."""
+        return cls(dim, eps=config.rms_norm_eps, zero_centered=config.rms_norm_zero_centered)
+
     def forward(self, x):
         dtype = x.dtype
         x = x.float()
@@ -651,8 +656,8 @@ class CloverAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
         if config.attention_qk_norm:
-            self.q_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps, zero_centered=config.rms_norm_zero_centered)
-            self.k_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps, zero_centered=config.rms_norm_zero_centered)
+            self.q_norm = CloverRMSNorm.of(config, self.head_dim)
+            self.k_norm = CloverRMSNorm.of(config, self.head_dim)
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
@@ -739,13 +744,12 @@ class CloverDecoderLayer(nn.Module):
     def __init__(self, config: CloverConfig, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
-        norm = dict(eps=config.rms_norm_eps, zero_centered=config.rms_norm_zero_centered)
-        self.input_layernorm = CloverRMSNorm(config.hidden_size, **norm)
+        self.input_layernorm = CloverRMSNorm.of(config, config.hidden_size)
         if layer_type == MEMORY:
             self.linear_attn = CloverMemoryMixer(config)
         else:
             self.self_attn = CloverAttention(config)
-        self.post_attention_layernorm = CloverRMSNorm(config.hidden_size, **norm)
+        self.post_attention_layernorm = CloverRMSNorm.of(config, config.hidden_size)
         if config.mlp_type == "dense":
             self.mlp = CloverMLP(config.hidden_size, config.intermediate_size)
         else:
@@ -854,7 +858,7 @@ class CloverModel(CloverPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(CloverDecoderLayer(config, kind) for kind in config.layer_types)
-        self.norm = CloverRMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=config.rms_norm_zero_centered)
+        self.norm = CloverRMSNorm.of(config, config.hidden_size)
         self.post_init()
 
 
