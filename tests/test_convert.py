@@ -144,6 +144,13 @@ def test_conversion_loss_trains_the_mask_row_and_answers(pair):
     model.zero_grad(set_to_none=True)
 
 
+def test_weights_that_do_not_map_are_one_line(pair):
+    base, model = pair
+    state = {k: v for k, v in model.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(CloverError, match=r"^Llama weights do not map onto Clover: .*model\.layers\.1\.mlp\.up_proj\.weight"):
+        convert_module.clover_from_state(model.config, state, "Llama")
+
+
 def test_unsupported_bases_are_refused():
     config = tiny_llama().config
     config.hidden_act = "gelu"
