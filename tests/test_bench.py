@@ -28,7 +28,7 @@ from cloverlm.tokenizer import train_tokenizer
 from conftest import TINY, tiny_model
 
 VOCAB = 1536  # room for the tokenizer's 1,110 digit groups
-TASK_FIELDS = {"clover", "peer", "speedup"}
+TASK_FIELDS = {"clover", "clover_b1", "peer", "peer_lookup", "llama_cpp", "speedup", "speedup_vs"}
 CLOVER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s", "tpf"}
 PEER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s"}
 CONTEXT_FIELDS = {"context", "clover_block_ms", "memory_only_block_ms", "block_tokens", "peer_token_ms", "speedup"}
@@ -93,13 +93,22 @@ def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
     for entry in report["tasks"].values():
         assert set(entry) == TASK_FIELDS
         assert set(entry["clover"]) == CLOVER_FIELDS and set(entry["peer"]) == PEER_FIELDS
-        for model in ("clover", "peer"):
-            assert 0 <= entry[model]["accuracy"] <= 1
+        assert set(entry["clover_b1"]) == CLOVER_FIELDS and set(entry["peer_lookup"]) == PEER_FIELDS
+        assert entry["llama_cpp"] is None  # not loaded here
+        for model in ("clover", "clover_b1", "peer", "peer_lookup"):
             assert entry[model]["wall_s_median"] > 0 and entry[model]["tokens_per_s"] > 0
         assert 0 < entry["clover"]["tpf"] <= OPTIONS.block_size
-        assert entry["speedup"] == pytest.approx(entry["peer"]["wall_s_median"] / entry["clover"]["wall_s_median"], rel=1e-2)
-    assert set(report["median_exec_s"]) == {"clover", "peer"}
-    assert all(seconds > 0 for seconds in report["median_exec_s"].values())
+        assert entry["clover_b1"]["tpf"] == pytest.approx(1.0, abs=1e-3)  # one token a forward
+        # greedy either way: prompt lookup changes the peer's forwards, never its answers
+        assert entry["peer_lookup"]["accuracy"] == entry["peer"]["accuracy"]
+        clover_wall = entry["clover"]["wall_s_median"]
+        assert entry["speedup"] == pytest.approx(entry["peer"]["wall_s_median"] / clover_wall, rel=1e-2)
+        assert set(entry["speedup_vs"]) == {"clover_b1", "peer", "peer_lookup", "llama_cpp"}
+        assert entry["speedup_vs"]["peer_lookup"] == pytest.approx(entry["peer_lookup"]["wall_s_median"] / clover_wall, rel=1e-2)
+        assert entry["speedup_vs"]["llama_cpp"] is None
+    assert set(report["median_exec_s"]) == {"clover", "clover_b1", "peer", "peer_lookup", "llama_cpp"}
+    assert report["median_exec_s"]["llama_cpp"] is None
+    assert all(report["median_exec_s"][name] > 0 for name in ("clover", "clover_b1", "peer", "peer_lookup"))
 
     assert [row["context"] for row in report["context_scaling"]] == [64, 128]
     tpfs = [entry["clover"]["tpf"] for entry in report["tasks"].values()]

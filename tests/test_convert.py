@@ -1,4 +1,4 @@
-"""Conversion from a Llama-family base (design section 7): exactness at B = 1, the shifted two-stream
+"""Conversion from a Llama-family base (docs/design.md section 7): exactness at B = 1, the shifted two-stream
 training forward against the decoding path, the adapter round trip, and the base's one-line errors."""
 
 import json

@@ -1,4 +1,4 @@
-"""Conversion from Qwen3.5-MoE (design section 7) on a tiny random model built from transformers'
+"""Conversion from Qwen3.5-MoE (docs/design.md section 7) on a tiny random model built from transformers'
 config class: strict loading, exactness at block size 1 against transformers, the delta-mixing
 memory layer's two paths (training forward and decoding) agreeing at larger blocks, and one-line
 errors for checkpoints that are not Qwen3.5-MoE."""

@@ -1,6 +1,6 @@
 """The CUDA fast path of the memory layer (fla's fused gated-delta kernel, both streams interleaved).
 
-On CPU (always run): the interleaved formulation of design section 3, with the pure-PyTorch rule as
+On CPU (always run): the interleaved formulation of docs/design.md section 3, with the pure-PyTorch rule as
 the kernel, equals the two-stream chunked rule (outputs, final states, gradients); and the model
 wired to a stand-in with fla's calling convention gives the reference's logits, gradients and
 decoding results. On CUDA with flash-linear-attention installed: fla's kernel against the

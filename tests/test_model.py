@@ -81,11 +81,16 @@ def test_masked_tokens_never_enter_the_cache(model):
     cache = CloverCache.empty(model.config, batch=2)
     with torch.no_grad():
         model.prefill(x0, [8, 8], cache)
-        before = [(c.state, c.keys) for c in cache.layers]
+        def history():
+            return [[None if t is None else t.clone() for t in (c.state, c.conv_tail, *c.cached_kv())] for c in cache.layers]
+
+        before = history()
         model.forward_block(torch.full((2, 8), 2), cache, commit=False)
     assert cache.lengths.tolist() == [16, 16]
-    for (state, keys), layer in zip(before, cache.layers):
-        assert layer.state is state and layer.keys is keys
+    # the step's keys may sit in an attention buffer's spare room, but what the cache holds is unchanged
+    for old, new in zip(before, history()):
+        for a, b in zip(old, new):
+            assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_grouped_mm_equals_loop_dispatch():
@@ -101,7 +106,7 @@ def test_grouped_mm_equals_loop_dispatch():
         for t in (x, gate_up, down):
             t.grad = None
         out = dispatch_experts(x, ids, weights, gate_up, down, use_grouped_mm=grouped)
-        out.backward(torch.ones_like(out).contiguous())  # a dense gradient (see design section 2)
+        out.backward(torch.ones_like(out).contiguous())  # a dense gradient: grouped_mm's CPU backward fails on a zero-stride one
         results.append((out.detach(), x.grad.clone(), gate_up.grad.clone(), down.grad.clone()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

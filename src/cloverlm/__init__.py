@@ -1,8 +1,9 @@
 """cloverlm: block-diffusion Mixture-of-Experts language models (Clover)."""
 
+from .cache import CloverCache
 from .config import PRESETS, CloverConfig, preset_config
 from .errors import CloverError
-from .model import CloverCache, CloverForBlockDiffusion, register_auto_classes
+from .model import CloverForBlockDiffusion, register_auto_classes
 
 register_auto_classes()
 

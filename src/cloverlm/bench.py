@@ -58,8 +58,9 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 from . import tasks
 from .bench_serving import bench_load, bench_structured
+from .cache import CloverCache
 from .calibrate import Calibration, load_calibration
-from .checkpoint import load_model
+from .checkpoint import inference_dtype, load_model
 from .config import ATTENTION
 from .data import TokenizedExample, heldout_examples
 from .decide import bench_decisions
@@ -67,7 +68,8 @@ from .diffusion import fixed_partition
 from .engine import AUTO, DecodeParams, Engine, Request
 from .errors import CloverError
 from .evaluate import answer_budget, stop_token_ids
-from .model import CloverCache, CloverForBlockDiffusion
+from .llama_cpp_peer import llama_cpp_generate, load_llama_cpp
+from .model import CloverForBlockDiffusion
 from .peer import PEER_ARCH, load_peer, peer_generate
 from .tokenizer import SPECIAL_TOKENS, load_tokenizer
 
@@ -80,6 +82,9 @@ ACCURACY_FIELDS = {"no_fly_zones": "zone_exact_match"}
 PREFILL_LIMIT = 8192
 PEER_PIECE = 2048  # the peer reads a long context in forwards of this many tokens
 PEER_FIELDS = ("accuracy", "wall_s_median", "tokens_per_s")
+# Who the tasks section times: Clover at the bench's block size, (d) Clover at block size 1, (a) the
+# AR peer with transformers' generate, (b) the same with prompt lookup, (c) llama.cpp on the base's GGUF.
+RUNNERS = ("clover", "clover_b1", "peer", "peer_lookup", "llama_cpp")
 
 
 @dataclass
@@ -89,6 +94,8 @@ class BenchOptions:
     repeats: int = 3  # timed runs of each request (medians reported)
     block_size: int = 16
     threshold: float = 0.9
+    draft: bool = False  # Clover fills blocks with prompt-lookup drafts (all-attention models)
+    peer_lookup: int = 10  # peer (b): transformers' prompt_lookup_num_tokens
     contexts: tuple[int, ...] = (1024, 4096, 16384, 65536)
     timed_forwards: int = 10  # per context-scaling measurement (median reported)
     sweep_task: str = "no_fly_zones"
@@ -124,6 +131,7 @@ class BenchModels:
     tokenizer: PreTrainedTokenizerFast  # Clover's; the peer must share it (same prompts, same ids)
     folders: dict[str, str | None]  # where each model came from, for the report
     calibration: Calibration | None = None  # Clover's block-size head: adds "auto" to the block-size sweep
+    llama: object | None = None  # a llama_cpp.Llama on the base's GGUF (cloverlm.llama_cpp_peer), or None
 
 
 def parse_context(text: str) -> int:
@@ -134,27 +142,30 @@ def parse_context(text: str) -> int:
     return int(digits) * kilo
 
 
-def load_models(clover_dir: Path, memory_dir: Path, peer_dir: Path | None) -> BenchModels:
-    """Load the three models (no peer when peer_dir is None); the peer is checked first, it is the one
-    most likely missing."""
+def load_models(clover_dir: Path, memory_dir: Path, peer_dir: Path | None, llama_gguf: Path | None = None) -> BenchModels:
+    """Load the models (no peer when peer_dir is None, no llama.cpp without a GGUF), in the dtype this
+    machine decodes fastest in; the peer is checked first, it is the one most likely missing."""
     if peer_dir is not None and not (peer_dir / "config.json").is_file():
         raise CloverError(
             f"no peer model at {peer_dir}: train one with `clover train --arch {PEER_ARCH} --tokenizer {clover_dir} "
             f"--out runs/qwen3.5-moe-tiny` and pass --peer runs/qwen3.5-moe-tiny/checkpoint, or run with --no-peer"
         )
     tokenizer = load_tokenizer(clover_dir)
+    dtype = inference_dtype()
     peer = None
     if peer_dir is not None:
-        peer = load_peer(peer_dir)
+        peer = load_peer(peer_dir, dtype)
         if (peer_dir / "tokenizer.json").is_file() and load_tokenizer(peer_dir).get_vocab() != tokenizer.get_vocab():
             raise CloverError(f"the peer at {peer_dir} uses another tokenizer than {clover_dir}: the prompts would differ")
     return BenchModels(
-        clover=load_model(clover_dir),
-        memory_only=load_model(memory_dir),
+        clover=load_model(clover_dir, dtype),
+        memory_only=load_model(memory_dir, dtype),
         peer=peer,
         tokenizer=tokenizer,
         calibration=load_calibration(clover_dir),
-        folders={"clover": str(clover_dir), "memory_only": str(memory_dir), "peer": None if peer_dir is None else str(peer_dir)},
+        folders={"clover": str(clover_dir), "memory_only": str(memory_dir), "peer": None if peer_dir is None else str(peer_dir),
+                 "llama_cpp": None if llama_gguf is None else str(llama_gguf)},
+        llama=None if llama_gguf is None else load_llama_cpp(llama_gguf, torch.get_num_threads()),
     )
 
 
@@ -208,6 +219,7 @@ def _clover_params(example: TokenizedExample, options: BenchOptions, tokenizer, 
         max_new_tokens=answer_budget(example),
         block_size=block_size,
         threshold=options.threshold,
+        draft=options.draft and block_size != 1,
         stop_token_ids=stop_token_ids(tokenizer),
     )
 
@@ -236,19 +248,31 @@ def bench_tasks(models: BenchModels, options: BenchOptions) -> tuple[dict, dict,
         for example in heldout_examples(tokenizer, task, count, 1 << 30)
     ]
     engine = Engine(models.clover, max_batch_size=1)
+    stops = stop_token_ids(tokenizer)
 
-    def run_clover(example: TokenizedExample) -> tuple[list[int], int]:
-        params = _clover_params(example, options, tokenizer, options.block_size)
-        completion = engine.generate([Request(_prompt_ids(example), params)])[0]
-        return completion.tokens, completion.forwards
+    def clover(block_size: int) -> Callable:
+        def run(example: TokenizedExample) -> tuple[list[int], int]:
+            params = _clover_params(example, options, tokenizer, block_size)
+            completion = engine.generate([Request(_prompt_ids(example), params)])[0]
+            return completion.tokens, completion.forwards
+        return run
 
-    def run_peer(example: TokenizedExample) -> tuple[list[int], int]:
-        tokens = peer_generate(models.peer, _prompt_ids(example), answer_budget(example), stop_token_ids(tokenizer))
-        return tokens, len(tokens)  # forwards: only Clover's are reported (the peer's are one per token)
+    def peer(prompt_lookup: int) -> Callable:
+        def run(example: TokenizedExample) -> tuple[list[int], int]:
+            tokens = peer_generate(models.peer, _prompt_ids(example), answer_budget(example), stops, prompt_lookup)
+            return tokens, len(tokens)  # forwards: only Clover's are reported
+        return run
 
-    runners: dict[str, Callable] = {"clover": run_clover}
+    def llama_cpp(example: TokenizedExample) -> tuple[list[int], int]:
+        tokens = llama_cpp_generate(models.llama, _prompt_ids(example), answer_budget(example), stops)
+        return tokens, len(tokens)
+
+    runners: dict[str, Callable] = {"clover": clover(options.block_size), "clover_b1": clover(1)}
     if models.peer is not None:
-        runners["peer"] = run_peer
+        runners["peer"] = peer(0)
+        runners["peer_lookup"] = peer(options.peer_lookup)
+    if models.llama is not None:
+        runners["llama_cpp"] = llama_cpp
     shortest = min((example for _, example in prompts), key=lambda example: len(example.ids))
     for run in runners.values():
         run(shortest)  # warm-up: one-time allocations and lazy initialisation stay out of the timings
@@ -274,18 +298,24 @@ def bench_tasks(models: BenchModels, options: BenchOptions) -> tuple[dict, dict,
             "wall_s_median": round(statistics.median(walls), 5),
             "tokens_per_s": round(tokens / sum(walls), 2),
         }
-        if name == "clover":
+        if name.startswith("clover"):
             result["tpf"] = round(tokens / sum(m.forwards for _, m in rows), 3)
         return result
 
     report = {}
     for task in options.tasks:
-        clover = summary("clover", task)
-        peer = summary("peer", task) if "peer" in measured else dict.fromkeys(PEER_FIELDS)
-        report[task] = {"clover": clover, "peer": peer, "speedup": _ratio(peer["wall_s_median"], clover["wall_s_median"])}
+        entry = {name: summary(name, task) if name in measured else None for name in RUNNERS}
+        entry["peer"] = entry["peer"] or dict.fromkeys(PEER_FIELDS)
+        clover_wall = entry["clover"]["wall_s_median"]
+        entry["speedup"] = _ratio(entry["peer"]["wall_s_median"], clover_wall)
+        # Clover's speedup over each other runner: its median wall time over Clover's
+        entry["speedup_vs"] = {
+            name: _ratio(entry[name]["wall_s_median"], clover_wall) if entry[name] else None for name in RUNNERS[1:]
+        }
+        report[task] = entry
     median_exec_s = {
         name: round(statistics.median(m.wall for m in measured[name]), 5) if name in measured else None
-        for name in ("clover", "peer")
+        for name in RUNNERS
     }
     all_clover = measured["clover"]
     tpf = sum(len(m.tokens) for m in all_clover) / sum(m.forwards for m in all_clover)
@@ -429,25 +459,31 @@ def write_report(report: dict, json_path: Path) -> list[Path]:
     return paths
 
 
+RUNNER_LABELS = {
+    "clover": "Clover", "clover_b1": "Clover, block size 1", "peer": "peer: generate",
+    "peer_lookup": "peer: generate + prompt lookup", "llama_cpp": "llama.cpp (base GGUF)",
+}
+
+
 def _plot_tasks(axes, report: dict) -> None:
     names = list(report["tasks"])
-    positions = range(len(names))
-    clover = [report["tasks"][name]["clover"]["wall_s_median"] for name in names]
-    axes.bar([x - 0.2 for x in positions], clover, width=0.4, label="Clover")
-    peer = [report["tasks"][name]["peer"]["wall_s_median"] for name in names]
-    if None not in peer:
-        axes.bar([x + 0.2 for x in positions], peer, width=0.4, label="peer (autoregressive)")
-        for x, name in zip(positions, names):
-            top = max(clover[x], peer[x])
+    shown = [r for r in RUNNERS if all(report["tasks"][t].get(r) and report["tasks"][t][r]["wall_s_median"] for t in names)]
+    width = 0.8 / len(shown)
+    for offset, runner in enumerate(shown):
+        walls = [report["tasks"][t][runner]["wall_s_median"] for t in names]
+        axes.bar([x - 0.4 + width * (offset + 0.5) for x in range(len(names))], walls, width=width, label=RUNNER_LABELS[runner])
+    if "peer" in shown:
+        for x, name in enumerate(names):
+            top = max(report["tasks"][name][r]["wall_s_median"] for r in shown)
             axes.annotate(f"{report['tasks'][name]['speedup']:.2f}x", (x, top), ha="center", va="bottom")
-    axes.set_xticks(list(positions), names)
+    axes.set_xticks(list(range(len(names))), names)
     axes.set_yscale("log")  # answers range from a few tokens to hundreds
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     axes.yaxis.set_major_formatter(plain)
     axes.yaxis.set_minor_formatter(plain)
     axes.set_ylabel("median wall seconds per request")
     axes.set_title("Latency per request (batch 1); labels: speedup = peer / Clover")
-    axes.legend()
+    axes.legend(fontsize="small")
 
 
 def _plot_context(axes, report: dict) -> None:

@@ -1,4 +1,4 @@
-"""Learnable block-size calibration (design section 5): `block_size="auto"`.
+"""Learnable block-size calibration (docs/design.md section 5): `block_size="auto"`.
 
 A small head reads the hidden state a block starts from (the final hidden state of the last decoded
 position) and predicts, for each candidate size n, how many denoising steps the next block would take
@@ -26,11 +26,11 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from . import tasks
+from .cache import CloverCache
 from .data import HELDOUT_SEED_BASE, encode_example
 from .engine import AUTO, DecodeParams, Engine, Request
 from .errors import CloverError
 from .evaluate import stop_token_ids
-from .model import CloverCache
 
 CANDIDATE_SIZES = (1, 4, 8, 16, 32, 64)
 CALIBRATION_SEED_BASE = HELDOUT_SEED_BASE + 500_000  # held out from training, apart from evaluation seeds

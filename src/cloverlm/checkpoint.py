@@ -100,6 +100,15 @@ def load_weights(model: PreTrainedModel, weights: Path) -> None:
     model.tie_weights()
 
 
+def inference_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype to decode in: bf16 where the hardware multiplies it natively (CUDA, CPUs with
+    AVX512-BF16 or AMX), else fp32. On an AVX2-only CPU bf16 matmuls are emulated: a 16-token forward of
+    the 135M model took 324 ms in bf16 against 130 ms in fp32 (models/README.md)."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32) -> CloverForBlockDiffusion:
     """Load a model folder with one-line errors for every way it can be wrong. A folder holding a
     conversion adapter (clover_adapter.json) is its base plus the adapter, merged."""

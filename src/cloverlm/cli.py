@@ -147,12 +147,13 @@ def cmd_convert(args) -> None:
 
 def _load(args):
     """The folder's model, Clover or its autoregressive peer (told apart by config.json), and tokenizer."""
-    from .checkpoint import load_model
+    from .checkpoint import inference_dtype, load_model
     from .peer import is_peer_folder, load_peer
     from .tokenizer import load_tokenizer
 
     folder = Path(args.model) if args.model else default_model_dir()
-    model = load_peer(folder) if is_peer_folder(folder) else load_model(folder)
+    dtype = inference_dtype()
+    model = load_peer(folder, dtype) if is_peer_folder(folder) else load_model(folder, dtype)
     return model, load_tokenizer(folder)
 
 
@@ -277,12 +278,15 @@ def cmd_bench(args) -> None:
     import torch
 
     from .bench import BenchOptions, load_models, parse_context, run_bench, write_report
+    from .convert import DEFAULT_BASE, gguf_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    overrides = {"block_size": args.block_size, "threshold": args.threshold}
+    overrides = {"block_size": args.block_size, "threshold": args.threshold, "draft": args.draft}
     if args.repeats is not None:
         overrides["repeats"] = args.repeats
+    if args.prompts is not None:
+        overrides["prompts"] = args.prompts
     if args.contexts:
         overrides["contexts"] = tuple(parse_context(text) for text in args.contexts)
     options = BenchOptions.quick(**overrides) if args.quick else BenchOptions(**overrides)
@@ -294,6 +298,7 @@ def cmd_bench(args) -> None:
         Path(args.model) if args.model else default_model_dir(),
         Path(args.memory_model) if args.memory_model else shipped / "clover-tiny-memory",
         peer,
+        gguf_path(DEFAULT_BASE) if args.llama_cpp else None,
     )
     report = run_bench(models, options)
     written = write_report(report, Path(args.json))
@@ -430,10 +435,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="under 3 minutes on a 2-core CPU: fewer prompts, 1 repeat, 1k and 4k")
     p.add_argument("--json", default="runs/bench.json", help="the report; its plots go next to it (default: runs/bench.json)")
     p.add_argument("--repeats", type=int, help="timed runs of each request (default: 3; --quick: 1)")
+    p.add_argument("--prompts", type=int, help="held-out prompts spread over the tasks (default: 49; --quick: 4)")
     p.add_argument("--threads", type=int)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--contexts", nargs="+", metavar="N", help="context lengths (default: 1k 4k 16k 64k)")
+    p.add_argument("--draft", action="store_true", help="Clover fills blocks with prompt-lookup drafts (all-attention models)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help='add llama.cpp on the base\'s GGUF as a peer (needs pip install -e ".[llama]")')
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="drone no-fly zones from air-traffic messages: Clover beside its peer, 3D map")

@@ -47,7 +47,7 @@ class CloverConfig(PretrainedConfig):
         attention_qk_norm: bool = True,  # RMSNorm on q and k per head; Llama-family bases have none
         partial_rotary_factor: float = 1.0,  # rotary on the first head_dim * factor dims (Qwen3.5: 0.25)
         # Committed tokens attend causally inside their block (as the autoregressive base they were
-        # converted from) instead of bidirectionally: design section 7.
+        # converted from) instead of bidirectionally: docs/design.md section 7.
         causal_clean_stream: bool = False,
         # memory (restructured Gated DeltaNet) layers
         linear_num_key_heads: int = 4,
@@ -57,7 +57,7 @@ class CloverConfig(PretrainedConfig):
         linear_conv_kernel_dim: int = 5,
         memory_decay_range: tuple[float, float] = (0.9, 0.9999),
         # How a memory layer mixes the tokens of its own block. "attention": Clover's bidirectional
-        # in-block attention, fused with the history read-out by a learned gate (design section 2b).
+        # in-block attention, fused with the history read-out by a learned gate (docs/design.md section 2b).
         # "delta": Qwen3.5's gated delta rule run causally over the block from the history state (a
         # scratch state, never committed): no fusion gate, no temperature; a converted Qwen3.5 base is
         # then the base at block size 1.

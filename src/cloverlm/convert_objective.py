@@ -1,4 +1,4 @@
-"""The conversion objective (design section 7): block diffusion on top of a pretrained causal model.
+"""The conversion objective (docs/design.md section 7): block diffusion on top of a pretrained causal model.
 
 One training sequence holds the clean stream (prompt and answer, causal, computed once) followed by
 noisy copies of the answer's blocks only. Under the shifted convention (section 1a) a block whose

@@ -1,4 +1,4 @@
-"""Clover from a Qwen3.5-MoE checkpoint (design section 7): the way to a real Clover-35B-A3B.
+"""Clover from a Qwen3.5-MoE checkpoint (docs/design.md section 7): the way to a real Clover-35B-A3B.
 
 Qwen3.5-MoE is already Clover's layout (config.py names its fields after it), so the conversion is a
 renaming exercise plus three config switches that make Clover compute what Qwen3.5 computes:
@@ -6,7 +6,7 @@ renaming exercise plus three config switches that make Clover compute what Qwen3
 * memory layers (Qwen3.5's Gated DeltaNet) keep every weight. Qwen3.5's causal conv of K taps
   becomes Clover's centred conv of 2K - 1 taps whose K - 1 right (future) taps are zero: at block
   size 1 they only ever meet the zeros past the block's end, and fine-tuning may grow them into
-  the bidirectional in-block features of design section 2b. `memory_block_mixing="delta"` runs
+  the bidirectional in-block features of docs/design.md section 2b. `memory_block_mixing="delta"` runs
   each block's tokens through the delta rule from the history state, as Qwen3.5 does, instead of
   Clover's in-block attention fused by a learned gate (which no Qwen3.5 weight could express:
   sigmoid(W h) never equals 1, and attention over one token is not a delta-rule write).

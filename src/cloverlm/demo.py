@@ -27,10 +27,10 @@ from rich.table import Table
 from rich.text import Text
 
 from . import tasks
-from .checkpoint import load_model
+from .checkpoint import inference_dtype, load_model
 from .data import HELDOUT_SEED_BASE
 from .demo_plots import render_denoising_strip, render_zone_map
-from .engine import DecodeParams, Engine, Request
+from .engine import DecodeParams, Engine, Request, drafts_supported
 from .errors import CloverError
 from .evaluate import ANSWER_SLACK, stop_token_ids
 from .peer import is_peer_folder, load_peer, peer_generate
@@ -336,7 +336,10 @@ def run_demo(
     out_dir = _writable_dir(Path(out_dir))
     if json_path is not None:
         _writable_dir(Path(json_path).parent)
-    params = DecodeParams(block_size=block_size, threshold=threshold)
+    # Drafts where the model allows them: on extraction they keep block decoding as accurate as one
+    # token a step (models/README.md).
+    draft = drafts_supported(clover_model.config) and block_size != 1
+    params = DecodeParams(block_size=block_size, threshold=threshold, draft=draft)
     params.validate(clover_model.config.max_block_size)  # before the long prompt is tokenized
 
     prompt_ids, kept = fit_prompt(tokenizer, messages.texts, prompt_token_limit)
@@ -408,7 +411,7 @@ def _load_peer(folder: Path | None, required: bool, tokenizer, console: Console)
         raise CloverError(f"{folder} does not hold an autoregressive peer: --peer takes a peer folder")
     if (folder / "tokenizer.json").is_file() and load_tokenizer(folder).get_vocab() != tokenizer.get_vocab():
         raise CloverError(f"the peer at {folder} uses another tokenizer than Clover: the prompts would differ")
-    return load_peer(folder)
+    return load_peer(folder, inference_dtype())
 
 
 def demo(
@@ -432,7 +435,7 @@ def demo(
     tokenizer = load_tokenizer(model_dir)
     peer = _load_peer(peer_dir, peer_required, tokenizer, console)
     return run_demo(
-        load_model(model_dir), tokenizer, messages, out_dir, peer_model=peer, json_path=json_path,
+        load_model(model_dir, inference_dtype()), tokenizer, messages, out_dir, peer_model=peer, json_path=json_path,
         block_size=block_size, threshold=threshold, console=console,
     )
 

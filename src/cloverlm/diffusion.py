@@ -1,6 +1,6 @@
 """The block-diffusion objective: partitions, per-block noise levels, masking and the weighted loss.
 
-Shifted convention (design section 1a): a sequence x_0 .. x_{L-1} is read as inputs x_0 .. x_{L-2}, and
+Shifted convention (docs/design.md section 1a): a sequence x_0 .. x_{L-1} is read as inputs x_0 .. x_{L-2}, and
 input position p predicts x_{p+1}. The L-1 input positions are cut into blocks (one random partition
 per batch, sizes from a configured set that includes 1). Block b draws t_b ~ U(eps, 1) and each
 eligible target of the block is masked with probability t_b; a masked target x_{p+1} appears as

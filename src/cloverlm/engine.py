@@ -1,6 +1,6 @@
 """The decoding engine: block-diffusion generation for a batch of requests, on token ids.
 
-Shifted convention (design section 1a): every slot predicts the token after it. A block that will hold
+Shifted convention (docs/design.md section 1a): every slot predicts the token after it. A block that will hold
 tokens x_s .. x_{s+B-1} is run as [x_{s-1}, x_s or MASK, ..., x_{s+B-2} or MASK] at positions
 s-1 .. s+B-2, so its first slot is the last committed token and the cache lags one token behind the
 text. Per request: the prompt but its last token is prefilled as clean blocks of the request's block
@@ -43,10 +43,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
+from .cache import CloverCache
+from .config import MEMORY
 from .diffusion import fixed_partition
+from .draft import PromptLookup
 from .errors import CloverError
-from .model import CloverCache, CloverForBlockDiffusion
+from .model import CloverForBlockDiffusion
 
 STRATEGIES = ("threshold", "low_confidence")
 AUTO = "auto"
@@ -64,6 +68,9 @@ class DecodeParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     seed: int | None = None
+    # Fill masked slots with a prompt-lookup draft before each step (cloverlm.draft); the threshold rule
+    # still accepts or rejects every slot.
+    draft: bool = False
     stop_token_ids: tuple[int, ...] = ()
     # Called with the generated tokens after every block; returns how many to keep when a stop
     # (e.g. a stop string) was reached, else None.
@@ -80,6 +87,8 @@ class DecodeParams:
             raise CloverError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.strategy not in STRATEGIES:
             raise CloverError(f"unknown strategy '{self.strategy}'; choose from: {', '.join(STRATEGIES)}")
+        if self.draft and self.strategy != "threshold":
+            raise CloverError("drafts are accepted by the threshold rule: use strategy 'threshold' with draft=True")
         for name in ("max_steps", "steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -90,6 +99,12 @@ class DecodeParams:
             raise CloverError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise CloverError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def drafts_supported(config) -> bool:
+    """Whether a model may decode with drafts: only attention layers (a memory layer's bidirectional conv
+    would show a position the draft of its own target)."""
+    return MEMORY not in config.layer_types
 
 
 class Constraint(Protocol):
@@ -177,6 +192,9 @@ class _Row:
         self.allowed: torch.Tensor | None = None  # [block, V] under Slots: the tokens each position may take
         seed = self.params.seed if self.params.seed is not None else random.randrange(2**63)
         self.generator = torch.Generator().manual_seed(seed)
+        self.lookup = PromptLookup(request.prompt_ids) if self.params.draft else None
+        self.drafted = torch.zeros(0, dtype=torch.bool)  # [block]: targets the current step reads as drafts
+        self.draft = None  # [block] the drafted tokens (where drafted)
 
     def start_block(self, block_size: int) -> None:
         """`block` holds the tokens the block decides (its targets), [MASK] where not yet chosen."""
@@ -192,6 +210,44 @@ class _Row:
     def block_inputs(self) -> torch.Tensor:
         """The block as the model reads it: the last committed token, then the targets but the last."""
         return torch.cat([torch.tensor([self.last_token]), self.block[:-1]])
+
+    def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs of the next step and which of them are drafts ([block] each). Without drafts these
+        are block_inputs() and no draft. A draft runs from the first masked target on and stops before
+        the first target already decided otherwise."""
+        size = len(self.block)
+        self.drafted = torch.zeros(size, dtype=torch.bool)
+        masked = self.block == self.mask_id
+        if self.lookup is None or self.request.constraint is not None or self.allowed is not None or not bool(masked.any()):
+            return self.block_inputs(), self.drafted
+        first = int(masked.nonzero()[0])
+        proposal = self.lookup.propose(self.block[:first].tolist(), size - first)
+        draft = self.block.clone()
+        for offset, token in enumerate(proposal):
+            position = first + offset
+            if not masked[position]:
+                if int(self.block[position]) != token:
+                    break
+                continue
+            if token == self.mask_id:
+                break
+            draft[position] = token
+            self.drafted[position] = True
+        self.draft = draft
+        inputs = torch.cat([torch.tensor([self.last_token]), draft[:-1]])
+        if not bool(self.drafted.any()):
+            return inputs, self.drafted
+        # Input slot j holds target j - 1: from the first drafted input on, the block is read causally.
+        return inputs, torch.arange(size) > int(self.drafted.nonzero()[0])
+
+    def eligible(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[block] targets whose prediction read only drafts the model confirmed: those up to the first
+        drafted target where the model's choice differs from the draft (all, without drafts). A target
+        reads only the drafts before it (step_inputs makes the drafted part of the block causal)."""
+        wrong = (self.drafted & (tokens != self.draft)).nonzero() if bool(self.drafted.any()) else None
+        if wrong is None or not len(wrong):
+            return torch.ones(len(self.block), dtype=torch.bool)
+        return torch.arange(len(self.block)) <= int(wrong[0])
 
     def start_slots(self, vocab_size: int) -> None:
         slots = self.request.slots
@@ -218,6 +274,10 @@ class _Row:
             start += 1
         return start
 
+    def last_step(self) -> bool:
+        """After this step the block's remaining masks are filled at once (max_steps)."""
+        return self.block_steps + 1 >= (self.params.max_steps or len(self.block))
+
     def transfer_count(self) -> int:
         """low_confidence: how many positions this step unmasks (the block's masks spread evenly over
         its steps, the earlier steps taking the remainder)."""
@@ -226,13 +286,32 @@ class _Row:
         return base + (1 if self.block_steps < extra else 0)
 
 
+def threshold_accept(confidence: torch.Tensor, open_: torch.Tensor, threshold: float, last_step) -> torch.Tensor:
+    """The threshold rule (Fast-dLLM) over [..., n] blocks: every open position whose confidence is at
+    least `threshold`, and always the most confident open one; at the last step (bool, or [...] per
+    block) every open position. Blocks with nothing open accept nothing."""
+    confidence = torch.where(open_, confidence, torch.full_like(confidence, -1.0))
+    accept = open_ & (confidence >= threshold)
+    best = F.one_hot(confidence.argmax(-1), confidence.shape[-1]).bool() & open_
+    accept = accept | best
+    if isinstance(last_step, torch.Tensor):
+        return torch.where(last_step[..., None], open_, accept)
+    return open_ if last_step else accept
+
+
+def _greedy(logits: torch.Tensor):
+    """The most likely token and its probability per position, logits [..., V] (any dtype: the
+    normaliser is computed in fp32)."""
+    top = logits.max(-1)
+    confidence = (top.values.float() - logits.float().logsumexp(-1)).exp()
+    return top.indices, confidence
+
+
 def _choose(logits: torch.Tensor, params: DecodeParams, generator: torch.Generator):
     """Chosen token and its probability per position, logits [n, V]."""
     # Below 1e-6 sampling is greedy in effect, and dividing by a float32 temperature that small gives nan.
     if params.temperature < 1e-6:
-        probs = logits.softmax(-1)
-        confidence, tokens = probs.max(-1)
-        return tokens, confidence
+        return _greedy(logits)
     logits = logits / params.temperature
     if params.top_k:
         kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -255,10 +334,14 @@ class Engine:
     """
 
     def __init__(
-        self, model: CloverForBlockDiffusion, max_batch_size: int = 16, calibration=None, record_blocks: bool = False
+        self, model: CloverForBlockDiffusion, max_batch_size: int = 16, calibration=None, record_blocks: bool = False,
+        batched_unmask: bool = True,
     ):
         """calibration: a `cloverlm.calibrate.Calibration`, needed for block_size="auto".
-        record_blocks: keep a BlockRecord per finished block in each Completion (calibration fitting)."""
+        record_blocks: keep a BlockRecord per finished block in each Completion (calibration fitting).
+        batched_unmask=False decides every row on the host, one by one (the reference the batched rule
+        is tested against)."""
+        self.batched_unmask = batched_unmask
         if max_batch_size < 1:
             raise CloverError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model = model.eval()
@@ -286,6 +369,8 @@ class Engine:
             # a [MASK] in the prompt's leftover block would be "denoised" and overwrite the prompt
             raise CloverError(f"the prompt contains the mask token id {self.config.mask_token_id}; it is reserved for decoding")
         request.params.validate(self.config.max_block_size)
+        if request.params.draft and not drafts_supported(self.config):
+            raise CloverError("drafts need an all-attention model (config.layer_types without memory layers)")
         if request.params.block_size == AUTO and self.calibration is None:
             raise CloverError('block_size="auto" needs a calibrated model: run `clover calibrate --model DIR` first')
         if request.slots is not None:
@@ -353,7 +438,9 @@ class Engine:
             if history:
                 partition = fixed_partition(len(history), size)
                 ids = torch.tensor([history], device=self.device)
-                row.last_hidden = self.model.prefill(ids, partition, cache)[0].cpu()
+                row.last_hidden = self.model.prefill(ids, partition, cache)[0].float().cpu()
+                # the whole answer's keys fit without regrowing (a block may overhang the budget)
+                cache.reserve(len(prompt) + row.params.max_new_tokens + self.config.max_block_size)
             if row.request.slots is not None:
                 row.start_slots(self.config.vocab_size)
             elif row.params.block_size == AUTO:
@@ -377,17 +464,29 @@ class Engine:
         commit_ids = commit_valid = None
         if any(commits):
             commit_ids, commit_valid = _pad([torch.tensor(c, dtype=torch.long) for c in commits], pad, self.device)
-        step_ids, step_valid = _pad([row.block_inputs() for row in self.rows], pad, self.device)
-        logits, hidden = self.model.decode(self.cache, commit_ids, commit_valid, step_ids, step_valid, return_hidden=True)
-        logits, hidden = logits.float().cpu(), hidden.cpu()
+        inputs = [row.step_inputs() for row in self.rows]
+        step_ids, step_valid = _pad([ids for ids, _ in inputs], pad, self.device)
+        step_causal = None
+        if any(bool(drafts.any()) for _, drafts in inputs):
+            step_causal = _pad([drafts.long() for _, drafts in inputs], 0, self.device)[0].bool()
+        logits, hidden = self.model.decode(
+            self.cache, commit_ids, commit_valid, step_ids, step_valid, return_hidden=True, step_causal=step_causal
+        )
         logits[..., self.config.mask_token_id] = float("-inf")  # never "unmask" to [MASK]
+        ends = torch.tensor([len(row.block) - 1 for row in self.rows], device=hidden.device)
+        last_hidden = hidden[torch.arange(len(self.rows), device=hidden.device), ends].float().cpu()
         self.forwards += 1
-        finished, keep = [], []
-        for index, row in enumerate(self.rows):
+        for index, row in enumerate(self.rows):  # before denoising: a block finished now sets its commit
             row.pending_commit = None
             row.forwards += 1
-            row.last_hidden = hidden[index, len(row.block) - 1].float()
-            self._denoise(row, logits[index, : len(row.block)])
+            row.last_hidden = last_hidden[index]
+        plain = [index for index, row in enumerate(self.rows) if self._is_plain(row)]
+        if plain:
+            self._denoise_plain([self.rows[i] for i in plain], logits[plain])
+        finished, keep = [], []
+        for index, row in enumerate(self.rows):
+            if index not in plain:
+                self._denoise(row, logits[index, : len(row.block)].float().cpu())
             if row.finish_reason is None:
                 keep.append(index)
             else:
@@ -401,6 +500,30 @@ class Engine:
             self.cache = self.cache.select(keep) if keep else None
         return finished
 
+    def _is_plain(self, row: _Row) -> bool:
+        """Rows whose step the batched rule decides: greedy threshold decoding without grammar or slots."""
+        params = row.params
+        return (self.batched_unmask and params.strategy == "threshold" and params.temperature < 1e-6
+                and row.request.constraint is None and row.allowed is None)
+
+    def _denoise_plain(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """The threshold rule for many rows at once, on the model's device: only the chosen ids and their
+        confidences ([rows, n] each) come to the host. The same tokens as `_denoise` (tested)."""
+        tokens, confidence = _greedy(logits)
+        tokens, confidence = tokens.cpu(), confidence.float().cpu()
+        width = tokens.shape[1]
+        open_ = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            n = len(row.block)
+            open_[i, :n] = (row.block == row.mask_id) & row.eligible(tokens[i, :n])
+        thresholds = torch.tensor([[row.params.threshold] for row in rows], dtype=confidence.dtype)
+        last = torch.tensor([row.last_step() for row in rows])
+        accept = threshold_accept(confidence, open_, thresholds, last)
+        for i, row in enumerate(rows):
+            n = len(row.block)
+            row.block = torch.where(accept[i, :n], tokens[i, :n], row.block)
+            self._end_step(row)
+
     def _denoise(self, row: _Row, logits: torch.Tensor) -> None:
         params = row.params
         if row.request.constraint is not None:
@@ -410,13 +533,10 @@ class Engine:
             logits = logits.masked_fill(~row.allowed, float("-inf"))
         masked = row.block == row.mask_id
         tokens, confidence = _choose(logits, params, row.generator)
-        confidence = torch.where(masked, confidence, torch.full_like(confidence, -1.0))
         if params.strategy == "threshold":
-            accept = masked & (confidence >= params.threshold)
-            accept[confidence.argmax()] = True
-            if row.block_steps + 1 >= (params.max_steps or len(row.block)):
-                accept = masked
+            accept = threshold_accept(confidence, masked & row.eligible(tokens), params.threshold, row.last_step())
         else:
+            confidence = torch.where(masked, confidence, torch.full_like(confidence, -1.0))
             accept = torch.zeros_like(masked)
             accept[confidence.topk(min(row.transfer_count(), int(masked.sum()))).indices] = True
         if row.allowed is not None and row.request.slots.distinct:
@@ -448,7 +568,7 @@ class Engine:
         before it; forced tokens are filled in between at no cost."""
         params, constraint = row.params, row.request.constraint
         stops = set(params.stop_token_ids) | {self.config.eos_token_id}
-        last_step = row.block_steps + 1 >= (params.max_steps or len(row.block))
+        last_step = row.last_step()
         budget = len(row.block) if params.strategy == "threshold" else row.transfer_count()
         position = int((row.block == row.mask_id).nonzero()[0])
         accepted = 0
@@ -499,6 +619,8 @@ class Engine:
         if row.request.on_block is not None and len(row.generated) > before:
             row.request.on_block(row.request, row.generated[before:])
         if row.finish_reason is None:
+            if row.lookup is not None:
+                row.lookup.extend(row.block.tolist())
             row.pending_commit = row.block_inputs().tolist()
             row.last_token = int(row.block[-1])
             size = self.calibration.choose(row.last_hidden) if params.block_size == AUTO else params.block_size

@@ -9,7 +9,7 @@ Two ways to run the same weights:
   With commit=False the block only reads history (a denoising step); with commit=True it is a clean
   block that is folded into the cache.
 
-Both paths give the same noisy-stream logits (design invariant 2, tested).
+Both paths give the same noisy-stream logits (docs/design.md invariant 2, tested).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 
+from .cache import CloverCache, DecodeBlock, LayerCache
 from .config import MEMORY, CloverConfig
 from .errors import CloverError
 from .ops.gated_delta import chunk_layout, gated_delta_readout, two_stream_gated_delta_rule
@@ -63,7 +64,7 @@ class BlockLayout:
 
 @dataclass
 class NoisyBlocks:
-    """The noisy stream as a list of block slots (design section 7): slot i holds token ids[:, i] at
+    """The noisy stream as a list of block slots (docs/design.md section 7): slot i holds token ids[:, i] at
     position positions[i]; it sees the noisy slots of its own block (block[i]) bidirectionally and the
     clean positions below history[i]. Blocks may repeat (complementary masks) and skip the prompt."""
 
@@ -85,147 +86,6 @@ def validate_block_sizes(block_sizes: list[int], length: int, max_block_size: in
     bad = sorted({s for s in block_sizes if not 1 <= s <= max_block_size})
     if bad:
         raise CloverError(f"block sizes {bad} are outside 1..{max_block_size} (the model's max_block_size)")
-
-
-# ----------------------------------------------------------------------------------------------
-# Decoding cache
-
-
-@dataclass
-class LayerCache:
-    """One layer's history for a batch of requests (rows).
-
-    Memory layers: `state` [B, H, Dk, Dv] (fp32) and `conv_tail` [B, r, C], the last r pre-conv rows of
-    committed tokens; both constant in the context length. Attention layers: `keys` / `values`
-    [B, Hkv, capacity, D], of which the first `used` positions are filled (row b up to its own length,
-    the rest of the row is padding); capacity doubles as it fills so a commit costs O(block), not O(context).
-    """
-
-    state: torch.Tensor | None = None
-    conv_tail: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    used: int = 0
-
-    def cached_kv(self):
-        if self.keys is None:
-            return None, None
-        return self.keys[:, :, : self.used], self.values[:, :, : self.used]
-
-    def append_kv(self, k, v, lengths, valid) -> None:
-        """Write row b's valid block positions (a prefix of the block) at offsets lengths[b]..."""
-        counts = valid.sum(1)
-        need = int((lengths + counts).max())
-        if self.keys is None or need > self.keys.shape[2]:
-            capacity = max(need, 2 * (self.keys.shape[2] if self.keys is not None else 0))
-            grown = [k.new_zeros(k.shape[0], k.shape[1], capacity, k.shape[3]) for _ in range(2)]
-            if self.keys is not None:
-                grown[0][:, :, : self.used], grown[1][:, :, : self.used] = self.cached_kv()
-            self.keys, self.values = grown
-        rows, offsets = valid.nonzero(as_tuple=True)
-        slots = lengths[rows] + offsets
-        self.keys[rows, :, slots] = k[rows, :, offsets].to(self.keys.dtype)
-        self.values[rows, :, slots] = v[rows, :, offsets].to(self.values.dtype)
-        self.used = max(self.used, need)
-
-    def nbytes(self) -> int:
-        """Bytes of history held (attention: the filled positions, not the spare capacity)."""
-        tensors = [self.state, self.conv_tail, *self.cached_kv()]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-@dataclass
-class CloverCache:
-    """Per-request history for a batch of rows. Memory layers: constant size. Attention layers: grow with
-    committed tokens. Rows may hold different numbers of committed tokens (`lengths`)."""
-
-    layers: list[LayerCache]
-    lengths: torch.Tensor  # [B] committed tokens per row
-
-    @classmethod
-    def empty(cls, config: CloverConfig, batch: int = 1, device=None) -> CloverCache:
-        layers = []
-        for kind in config.layer_types:
-            if kind == MEMORY:
-                channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
-                    config.linear_num_value_heads * config.linear_value_head_dim
-                )
-                dims = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
-                layers.append(
-                    LayerCache(
-                        state=torch.zeros(batch, *dims, device=device),
-                        conv_tail=torch.zeros(batch, config.conv_radius, channels, device=device),
-                    )
-                )
-            else:
-                layers.append(LayerCache())
-        return cls(layers=layers, lengths=torch.zeros(batch, dtype=torch.long, device=device))
-
-    @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[0]
-
-    @property
-    def length(self) -> int:
-        """Committed tokens of a single-row cache."""
-        if self.batch_size != 1:
-            raise CloverError(f"length is per row: this cache holds {self.batch_size} rows (use lengths)")
-        return int(self.lengths[0])
-
-    def select(self, rows: list[int]) -> CloverCache:
-        """The cache of a subset of rows (requests leaving the batch are dropped)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
-        lengths = self.lengths[index]
-        layers = []
-        for layer in self.layers:
-            keys, values = layer.cached_kv()
-            used = int(lengths.max()) if keys is not None and len(rows) else 0
-            layers.append(
-                LayerCache(
-                    state=None if layer.state is None else layer.state[index],
-                    conv_tail=None if layer.conv_tail is None else layer.conv_tail[index],
-                    keys=None if keys is None else keys[index, :, :used],
-                    values=None if values is None else values[index, :, :used],
-                    used=used,
-                )
-            )
-        return CloverCache(layers=layers, lengths=lengths)
-
-    @classmethod
-    def concat(cls, caches: list[CloverCache]) -> CloverCache:
-        """Stack the rows of several caches (requests joining a batch); attention history is right-padded."""
-        layers = []
-        for parts in zip(*(c.layers for c in caches)):
-            first = parts[0]
-            if first.state is not None:
-                layers.append(
-                    LayerCache(
-                        state=torch.cat([p.state for p in parts]), conv_tail=torch.cat([p.conv_tail for p in parts])
-                    )
-                )
-                continue
-            filled = [p for p in parts if p.keys is not None]
-            used = max((p.used for p in parts), default=0)
-            if not filled:
-                layers.append(LayerCache())
-                continue
-            template = filled[0].keys
-            padded = []
-            for part, cache in zip(parts, caches):
-                rows = cache.batch_size
-                keys, values = part.cached_kv()
-                if keys is None:
-                    keys = values = template.new_zeros(rows, template.shape[1], 0, template.shape[3])
-                pad = (0, 0, 0, used - keys.shape[2])
-                padded.append((F.pad(keys, pad), F.pad(values, pad)))
-            layers.append(
-                LayerCache(keys=torch.cat([k for k, _ in padded]), values=torch.cat([v for _, v in padded]), used=used)
-            )
-        return cls(layers=layers, lengths=torch.cat([c.lengths for c in caches]))
-
-    def nbytes(self, kind: str) -> int:
-        """Bytes held by the layers of one kind (config.MEMORY or config.ATTENTION) for all rows."""
-        return sum(layer.nbytes() for layer in self.layers if (layer.state is not None) == (kind == MEMORY))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -570,9 +430,10 @@ class CloverMemoryMixer(nn.Module):
 
     # -- decoding: one block against the cache --
 
-    def forward_block(self, x, valid, cache: LayerCache, positions, lengths, commit: bool):
-        """One block per row against the cache. x [B, n, h]; valid [B, n]: row b's block is its first
-        valid positions, the rest is padding. commit=True folds the valid positions into state and tail."""
+    def forward_block(self, x, block: DecodeBlock, cache: LayerCache):
+        """One block per row against the cache. x [B, n, h]; block.commit folds the valid positions into
+        state and tail."""
+        valid, positions, commit = block.valid, block.positions, block.commit
         r = self.radius
         # Padding rows are zero before the conv: exactly the zeros past a block's end.
         proj = self.in_proj_qkv(x) * valid[..., None].to(x.dtype)
@@ -602,29 +463,10 @@ class CloverMemoryMixer(nn.Module):
             (q_r.transpose(1, 2) * temperature.to(q_r.dtype)),
             k_r.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=block_padding_mask(valid, 0),
+            attn_mask=block.block_mask,
             scale=1.0,
         ).transpose(1, 2)
         return self._fuse(x, o_mem, o_attn)
-
-
-def block_padding_mask(valid, history_lengths):
-    """Attention mask [B, 1, n, T + n] for a block of n queries per row: the first lengths[b] of T cached
-    keys and the row's valid block positions. Every query may also see itself, so a padding query never
-    faces an empty row (softmax over nothing is NaN). None when nothing is masked."""
-    batch, n = valid.shape
-    if isinstance(history_lengths, int):
-        cached = history_lengths
-        history_ok = torch.ones(batch, cached, dtype=torch.bool, device=valid.device)
-    else:
-        cached = int(history_lengths.max()) if history_lengths.numel() else 0
-        history_ok = torch.arange(cached, device=valid.device)[None, :] < history_lengths[:, None]
-    keys_ok = torch.cat([history_ok, valid], dim=1)
-    if bool(keys_ok.all()):
-        return None
-    itself = torch.zeros(n, cached + n, dtype=torch.bool, device=valid.device)
-    itself[:, cached:] = torch.eye(n, dtype=torch.bool, device=valid.device)
-    return (keys_ok[:, None, :] | itself[None])[:, None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -719,25 +561,13 @@ class CloverAttention(nn.Module):
         out = self._output(self._attend(q, k, v, torch.cat([top, bottom], dim=0)), gate)
         return out[:, :length], out[:, length:]
 
-    def forward_block(self, x, valid, cache: LayerCache, positions, lengths, commit: bool):
-        """One block per row: it sees row b's first lengths[b] cached tokens and its own valid positions
-        (the positions before it only, when committing under causal_clean_stream)."""
-        q, k, v, gate = self._project(x, positions)
-        cached_keys, cached_values = cache.cached_kv()
-        if cached_keys is not None:
-            keys, values = torch.cat([cached_keys, k.to(cached_keys.dtype)], dim=2), torch.cat([cached_values, v.to(cached_values.dtype)], dim=2)
-            history = lengths
-        else:
-            keys, values, history = k, v, 0
-        mask = block_padding_mask(valid, history)
-        if commit and self.causal_clean and x.shape[1] > 1:
-            n = x.shape[1]
-            causal = torch.ones(n, keys.shape[2], dtype=torch.bool, device=x.device).tril(keys.shape[2] - n)
-            mask = causal[None, None] if mask is None else mask & causal
-        out = self._output(self._attend(q, keys.to(q.dtype), values.to(q.dtype), mask), gate)
-        if commit:  # only committed (clean) tokens ever enter the cache
-            cache.append_kv(k, v, lengths, valid)
-        return out
+    def forward_block(self, x, block: DecodeBlock, cache: LayerCache):
+        """One block per row: it sees row b's first history[b] cached tokens and its own valid positions
+        (the positions before it only, when committing under causal_clean_stream). Its keys are written
+        into the cache's buffer in place; only a commit extends what the cache holds."""
+        q, k, v, gate = self._project(x, block.positions)
+        keys, values = cache.write_block(k, v, block)
+        return self._output(self._attend(q, keys, values, block.key_mask), gate)
 
 
 class CloverDecoderLayer(nn.Module):
@@ -779,31 +609,34 @@ class CloverDecoderLayer(nn.Module):
         h, aux = self._feed_forward(torch.cat([h_noisy + mix_noisy, h_clean + mix_clean], dim=1))
         return h[:, :length], h[:, length:], aux
 
-    def forward_decode(self, commit, step, cache: LayerCache, skip_commit_ffn: bool = False):
-        """The fused decoding step of one layer. `commit` and `step` are (h [B, n, hidden], valid [B, n],
-        positions [B, n], history [B]: committed tokens the part sees) or None. The clean block is folded into the cache first, then the block being
-        denoised reads the updated history; one MoE call serves both (routing is per token)."""
-        outputs = []
-        for part, is_commit in ((commit, True), (step, False)):
-            if part is None:
-                outputs.append(None)
-                continue
-            h, valid, positions, history = part
-            h = h + self.mixer.forward_block(self.input_layernorm(h), valid, cache, positions, history, is_commit)
-            outputs.append((h, valid))
-        if skip_commit_ffn:  # the last layer: nothing reads the clean block's output
-            outputs[0] = None
-        live = [o for o in outputs if o is not None]
-        if live:
-            # only real positions go through the experts; padding stays as it is
-            flat = torch.cat([h[valid] for h, valid in live])
+    def forward_decode(self, parts: list[tuple[torch.Tensor, DecodeBlock]], cache: LayerCache, skip_commit_ffn: bool = False):
+        """The fused decoding step of one layer over (h [B, n, hidden], block) parts, the block to commit
+        before the block to denoise: the clean block is folded into the cache first, then the next reads
+        the updated history; one feed-forward call serves both (routing is per token). Returns the parts'
+        new hidden states (None for a commit when skip_commit_ffn: on the last layer nothing reads it)."""
+        mixed = [h + self.mixer.forward_block(self.input_layernorm(h), block, cache) for h, block in parts]
+        live = [i for i, (_, block) in enumerate(parts) if not (skip_commit_ffn and block.commit)]
+        if not live:
+            return [None] * len(parts)
+        if not any(parts[i][1].padded for i in live):  # the parts go through whole
+            flat = torch.cat([mixed[i].flatten(0, 1) for i in live])
             flat = self._feed_forward(flat[None])[0][0]
-            start = 0
-            for h, valid in live:
-                count = int(valid.sum())
-                h[valid] = flat[start : start + count].to(h.dtype)
+            start, out = 0, [None] * len(parts)
+            for i in live:
+                count = mixed[i].shape[0] * mixed[i].shape[1]
+                out[i] = flat[start : start + count].view_as(mixed[i])
                 start += count
-        return [None if o is None else o[0] for o in outputs]
+            return out
+        # only real positions go through the experts; padding stays as it is
+        flat = self._feed_forward(torch.cat([mixed[i][parts[i][1].valid] for i in live])[None])[0][0]
+        start, out = 0, [None] * len(parts)
+        for i in live:
+            valid = parts[i][1].valid
+            count = int(valid.sum())
+            out[i] = mixed[i].clone()
+            out[i][valid] = flat[start : start + count].to(mixed[i].dtype)
+            start += count
+        return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -835,7 +668,7 @@ class CloverPreTrainedModel(PreTrainedModel):
             module.expert_bias.zero_()
         elif isinstance(module, CloverMemoryMixer):
             # Per-token decay a = exp(-exp(A_log) * softplus(dt_bias)) spread geometrically over
-            # memory_decay_range across heads: slow heads keep a long prompt (design section 2b).
+            # memory_decay_range across heads: slow heads keep a long prompt (docs/design.md section 2b).
             lo, hi = self.config.memory_decay_range
             heads = module.A_log.shape[0]
             rates = torch.logspace(math.log10(-math.log(hi)), math.log10(-math.log(lo)), heads)
@@ -941,22 +774,23 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         return self.model.norm(h[:, -1])
 
     def decode(
-        self, cache: CloverCache, commit_ids=None, commit_valid=None, step_ids=None, step_valid=None, return_hidden=False
+        self, cache: CloverCache, commit_ids=None, commit_valid=None, step_ids=None, step_valid=None, return_hidden=False,
+        step_causal=None,
     ):
         """One decoding forward for a batch of rows: commit a clean block and/or run a denoising step.
 
         commit_ids [B, nc] are folded into the cache (row b: its first commit_valid[b].sum() tokens), then
         step_ids [B, ns] read the updated history without writing it. Both in one pass: at every layer the
-        clean block updates the cache before the new block reads it (design section 4). Returns the step's
+        clean block updates the cache before the new block reads it (docs/design.md section 4). Returns the step's
         logits [B, ns, V], or None without a step; with return_hidden, (logits, final normed hidden [B, ns, H]).
+        step_causal [B, ns] bool marks step inputs that only the positions at and after them see (drafts).
         """
         if commit_ids is None and step_ids is None:
             raise CloverError("decode needs a block to commit or a block to denoise")
         parts = []
-        offset = cache.lengths
-        for ids, valid in ((commit_ids, commit_valid), (step_ids, step_valid)):
+        history = cache.lengths
+        for ids, valid, commit in ((commit_ids, commit_valid, True), (step_ids, step_valid, False)):
             if ids is None:
-                parts.append(None)
                 continue
             self._check_ids(ids)
             if ids.shape[0] != cache.batch_size:
@@ -964,20 +798,18 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
             if ids.shape[1] > self.config.max_block_size:
                 raise CloverError(f"block size {ids.shape[1]} is above the model's limit of {self.config.max_block_size}")
             valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
-            positions = offset[:, None] + torch.arange(ids.shape[1], device=ids.device)
-            parts.append((self.model.embed_tokens(ids), valid, positions, offset))
-            offset = offset + valid.sum(1)
-        commit, step = parts
+            block = DecodeBlock.of(valid, history, commit, self.config.causal_clean_stream, None if commit else step_causal)
+            parts.append((self.model.embed_tokens(ids), block))
+            if commit:  # the block to denoise reads the history with the committed block in it
+                history = history + valid.sum(1)
         layers = self.model.layers
         for index, (layer, layer_cache) in enumerate(zip(layers, cache.layers)):
-            h_commit, h_step = layer.forward_decode(commit, step, layer_cache, skip_commit_ffn=index == len(layers) - 1)
-            commit = None if commit is None else (h_commit, *commit[1:])
-            step = None if step is None else (h_step, *step[1:])
-        if commit_ids is not None:
-            cache.lengths = cache.lengths + parts[0][1].sum(1)
-        if step is None:
+            hidden = layer.forward_decode(parts, layer_cache, skip_commit_ffn=index == len(layers) - 1)
+            parts = [(h, block) for h, (_, block) in zip(hidden, parts)]
+        cache.lengths = history
+        if step_ids is None:
             return (None, None) if return_hidden else None
-        hidden = self.model.norm(step[0])
+        hidden = self.model.norm(parts[-1][0])
         logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits
 

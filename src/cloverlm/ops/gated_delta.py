@@ -183,7 +183,7 @@ def gated_delta_readout(q, state):
 
 
 # ----------------------------------------------------------------------------------------------
-# Both streams in one causal pass (design section 3), and the dispatch to a fused kernel.
+# Both streams in one causal pass (docs/design.md section 3), and the dispatch to a fused kernel.
 
 
 def interleave_order(block_sizes: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Repeat a list of values verbatim: the copying skill on its own.
 
 Copying digit strings out of the prompt is what the extraction tasks need and what a small model
-learns last (design section 2). This task isolates it: the values look like those of the other tasks
+learns last (docs/design.md section 2). This task isolates it: the values look like those of the other tasks
 (message ids, coordinates, radii, times, keys, numbers, words) and the answer repeats them in order, so every
 answer value is a copy and the checker scores each item.
 """
