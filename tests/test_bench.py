@@ -209,7 +209,7 @@ def test_cli_without_a_peer_folder_says_how_to_train_one(tmp_path, capsys):
     assert raised.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith(f"error: no peer model at {tmp_path / 'missing'}") and error.count("\n") == 1
-    assert "clover train --arch qwen3.5-moe" in error and "--no-peer" in error
+    assert "clover train --recipe convert --arch ar" in error and "--no-peer" in error
 
 
 @pytest.mark.slow

@@ -105,3 +105,21 @@ def test_threshold_accept():
     assert accept.tolist() == [[False, True, False, False], [False, True, False, False]]  # always the best open one
     assert threshold_accept(confidence, open_, 0.9, torch.tensor([False, True]))[1].all()  # the last step: all open
     assert not threshold_accept(confidence, torch.zeros_like(open_), 0.9, False).any()
+
+
+def test_blocks_committed_in_place_decode_as_recomputed():
+    """A finished block whose last step ran as its commit would keeps the keys that step wrote (no
+    commit forward): block size 1 still gives the greedy tokens of full recomputation, and drafted
+    blocks the tokens of a cache rebuilt from scratch."""
+    model = all_attention()
+    ids = prompt(14, 6)
+    with torch.no_grad():
+        expected, sequence = [], list(ids)
+        for _ in range(10):
+            cache = CloverCache.empty(model.config)
+            model.prefill(torch.tensor([sequence[:-1]]), [len(sequence) - 1], cache)
+            token = int(model.decode(cache, step_ids=torch.tensor([[sequence[-1]]]))[0, -1].argmax())
+            expected.append(token)
+            sequence.append(token)
+    completion = Engine(model).generate([Request(ids, DecodeParams(max_new_tokens=10, block_size=1))])[0]
+    assert completion.tokens == expected and completion.forwards == 10

@@ -70,7 +70,7 @@ from .errors import CloverError
 from .evaluate import answer_budget, stop_token_ids
 from .llama_cpp_peer import llama_cpp_generate, load_llama_cpp
 from .model import CloverForBlockDiffusion
-from .peer import PEER_ARCH, load_peer, peer_generate
+from .peer import PEER_ARCH, is_peer_folder, load_peer, peer_generate
 from .tokenizer import SPECIAL_TOKENS, load_tokenizer
 
 TASK_NAMES = tasks.SUITE
@@ -145,10 +145,10 @@ def parse_context(text: str) -> int:
 def load_models(clover_dir: Path, memory_dir: Path, peer_dir: Path | None, llama_gguf: Path | None = None) -> BenchModels:
     """Load the models (no peer when peer_dir is None, no llama.cpp without a GGUF), in the dtype this
     machine decodes fastest in; the peer is checked first, it is the one most likely missing."""
-    if peer_dir is not None and not (peer_dir / "config.json").is_file():
+    if peer_dir is not None and not is_peer_folder(peer_dir):
         raise CloverError(
-            f"no peer model at {peer_dir}: train one with `clover train --arch {PEER_ARCH} --tokenizer {clover_dir} "
-            f"--out runs/qwen3.5-moe-tiny` and pass --peer runs/qwen3.5-moe-tiny/checkpoint, or run with --no-peer"
+            f"no peer model at {peer_dir}: train one with `clover train --recipe convert --arch ar --out runs/convert-peer` "
+            f"(a converted base; `clover train --arch {PEER_ARCH}` for a from-scratch Clover) and pass --peer, or run with --no-peer"
         )
     tokenizer = load_tokenizer(clover_dir)
     dtype = inference_dtype()

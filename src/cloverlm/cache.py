@@ -172,6 +172,18 @@ class CloverCache:
             if layer.keys is not None:
                 layer.reserve(layer.keys, tokens)
 
+    def keep_written(self, counts: torch.Tensor) -> None:
+        """Make the keys the last forward wrote past each row's history its history: counts [B] tokens
+        per row. Right only where that forward's block ran exactly as its commit would (same inputs,
+        same attention pattern), and only for attention layers: a memory state is written by commits."""
+        if any(layer.state is not None for layer in self.layers):
+            raise CloverError("keep_written needs an all-attention cache: memory layers fold blocks in by commits")
+        self.lengths = self.lengths + counts.to(self.lengths.device)
+        top = int(self.lengths.max())
+        for layer in self.layers:
+            if layer.keys is not None:
+                layer.used = max(layer.used, top)
+
     def select(self, rows: list[int]) -> CloverCache:
         """The cache of a subset of rows (requests leaving the batch are dropped)."""
         if not rows:

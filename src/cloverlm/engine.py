@@ -185,6 +185,11 @@ class _Row:
         self.generated: list[int] = []
         self.last_token = request.prompt_ids[-1]  # slot 0 of the next block: the last token not in the cache
         self.pending_commit: list[int] | None = None  # the finished block's inputs, committed with the next step
+        # A finished block whose last step ran exactly as its commit would: its keys, already written,
+        # become history without a commit forward (Engine._commit_in_place).
+        self.written_commit = 0
+        self.step_ids: torch.Tensor | None = None  # the inputs and causal flags the last step ran with
+        self.step_causal: torch.Tensor | None = None
         self.forwards = self.steps = self.blocks = 0
         self.finish_reason: str | None = None
         self.last_hidden: torch.Tensor | None = None  # final hidden state of the last position decoded
@@ -460,11 +465,18 @@ class Engine:
         if not self.rows:
             return []
         pad = self.config.mask_token_id
+        written = torch.tensor([row.written_commit for row in self.rows])
+        if bool(written.any()):
+            self.cache.keep_written(written)
+            for row in self.rows:
+                row.written_commit = 0
         commits = [row.pending_commit or [] for row in self.rows]
         commit_ids = commit_valid = None
         if any(commits):
             commit_ids, commit_valid = _pad([torch.tensor(c, dtype=torch.long) for c in commits], pad, self.device)
         inputs = [row.step_inputs() for row in self.rows]
+        for row, (ids, causal) in zip(self.rows, inputs):
+            row.step_ids, row.step_causal = ids, causal
         step_ids, step_valid = _pad([ids for ids, _ in inputs], pad, self.device)
         step_causal = None
         if any(bool(drafts.any()) for _, drafts in inputs):
@@ -499,6 +511,19 @@ class Engine:
             self.rows = [self.rows[i] for i in keep]
             self.cache = self.cache.select(keep) if keep else None
         return finished
+
+    def _commit_in_place(self, row: _Row) -> bool:
+        """Whether the finished block's last step computed its commit already: same inputs (all final),
+        the commit's attention pattern (causal under causal_clean_stream, bidirectional otherwise; one
+        token is both) and attention layers only. Then its keys stand as written: at block size 1 this
+        halves the work per token."""
+        if not drafts_supported(self.config) or not torch.equal(row.step_ids, row.block_inputs()):
+            return False
+        if len(row.block) == 1:
+            return True
+        if self.config.causal_clean_stream:
+            return bool(row.step_causal[1:].all())
+        return not bool(row.step_causal.any())
 
     def _is_plain(self, row: _Row) -> bool:
         """Rows whose step the batched rule decides: greedy threshold decoding without grammar or slots."""
@@ -621,7 +646,10 @@ class Engine:
         if row.finish_reason is None:
             if row.lookup is not None:
                 row.lookup.extend(row.block.tolist())
-            row.pending_commit = row.block_inputs().tolist()
+            if self._commit_in_place(row):
+                row.written_commit = len(row.block)
+            else:
+                row.pending_commit = row.block_inputs().tolist()
             row.last_token = int(row.block[-1])
             size = self.calibration.choose(row.last_hidden) if params.block_size == AUTO else params.block_size
             row.start_block(size)

@@ -51,6 +51,10 @@ class Grammars:
         self.lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=self.end_ids)
         self.banned = [tokenizer.convert_tokens_to_ids(t) for t in (MASK_TOKEN, PAD_TOKEN)]
         self.limits = llguidance.LLParserLimits(verbose_errors=False)
+        # The tool-call markers are special tokens in Clover's own tokenizer, plain text in a converted
+        # base's (SmolLM2 has none): lark writes the first bare, the second as a string.
+        added = set(tokenizer.get_added_vocab())
+        self.tool_markers = [m if m in added else json.dumps(m) for m in (TOOL_CALL_START, TOOL_CALL_END)]
 
     def json_schema(self, schema: Any) -> str:
         if not isinstance(schema, dict):
@@ -72,7 +76,8 @@ class Grammars:
             if parameters is not None:
                 self.json_schema(parameters)  # a clear error for a bad tool schema, before the grammar's
         body = {"anyOf": [tool_call_schema(name, parameters) for name, parameters in tools], "x-guidance": COMPACT}
-        call = f'{TOOL_CALL_START} "\\n" %json {json.dumps(body)} "\\n" {TOOL_CALL_END}'
+        opener, closer = self.tool_markers
+        call = f'{opener} "\\n" %json {json.dumps(body)} "\\n" {closer}'
         start = "call" if single else 'call ("\\n" call)*'
         return llguidance.LLMatcher.grammar_from_lark(f"start: {start}\ncall: {call}\n")
 
