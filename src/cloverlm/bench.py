@@ -92,8 +92,8 @@ class BenchOptions:
     tasks: tuple[str, ...] = TASK_NAMES
     prompts: int = 49  # held-out prompts, spread over the tasks
     repeats: int = 3  # timed runs of each request (medians reported)
-    block_size: int = 16
-    threshold: float = 0.9
+    block_size: int = DecodeParams.block_size
+    threshold: float = DecodeParams.threshold
     draft: bool = False  # Clover fills blocks with prompt-lookup drafts (all-attention models)
     peer_lookup: int = 10  # peer (b): transformers' prompt_lookup_num_tokens
     contexts: tuple[int, ...] = (1024, 4096, 16384, 65536)
@@ -179,7 +179,8 @@ def run_bench(models: BenchModels, options: BenchOptions) -> dict:
         "context_scaling": bench_context(models, options, tpf),
         "block_sizes": bench_block_sizes(models, options),
         "structured": bench_structured(models.clover, models.tokenizer, options.structured_prompts, options.block_size, options.threshold),
-        "serving": bench_load(models.clover, models.tokenizer, options.load_clients, options.load_requests, block_size=options.block_size),
+        "serving": bench_load(models.clover, models.tokenizer, options.load_clients, options.load_requests,
+                              block_size=options.block_size, threshold=options.threshold),
         "decisions": bench_decisions(models.clover, models.tokenizer, options.decision_prompts, threshold=options.threshold),
         "meta": {
             "models": models.folders,

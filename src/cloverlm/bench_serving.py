@@ -156,14 +156,14 @@ def _run_clients(url: str, model_name: str, clients: int, requests: int, max_tok
     }
 
 
-def bench_load(model, tokenizer, clients: int = 32, requests: int = 10, max_tokens: int = 64, block_size: int = 16,
-               max_batch_size: int = 32) -> dict:
+def bench_load(model, tokenizer, clients: int = 32, requests: int = 10, max_tokens: int = 64,
+               block_size: int = DecodeParams.block_size, max_batch_size: int = 32, threshold: float = DecodeParams.threshold) -> dict:
     """{"single": one client, "concurrent": `clients` at once}, each sending `requests` in turn."""
     name = "clover-bench"
-    app = create_app(model, tokenizer, ServerConfig(model_name=name, max_batch_size=max_batch_size))
+    app = create_app(model, tokenizer, ServerConfig(model_name=name, max_batch_size=max_batch_size, threshold=threshold))
     with background_server(app) as url:
         _run_clients(url, name, 1, 1, max_tokens, block_size)  # warm-up
         single = _run_clients(url, name, 1, requests, max_tokens, block_size)
         concurrent = _run_clients(url, name, clients, requests, max_tokens, block_size)
     return {"single": single, "concurrent": concurrent, "max_tokens": max_tokens, "block_size": block_size,
-            "max_batch_size": max_batch_size}
+            "threshold": threshold, "max_batch_size": max_batch_size}

@@ -154,7 +154,7 @@ def decode_all(model, prompts, params_for, calibration=None, record: bool = Fals
     return completions, seconds
 
 
-def calibrate(model, tokenizer, *, threshold: float = 0.9, fit_prompts: int = 16, eval_prompts: int = 8, max_new_tokens: int = 128, sizes=None):
+def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fit_prompts: int = 16, eval_prompts: int = 8, max_new_tokens: int = 128, sizes=None):
     """Fit the block-size head and judge it against every fixed size. Returns (Calibration, report)."""
     if not 0 < threshold <= 1:
         raise CloverError(f"threshold must be in (0, 1], got {threshold}")

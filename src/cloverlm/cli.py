@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from .engine import DecodeParams
 from .errors import CloverError
 from .tasks import SUITE
 
@@ -341,6 +342,7 @@ def cmd_serve(args) -> None:
     config = ServerConfig(
         model_name=args.served_model_name or folder.resolve().name, api_key=args.api_key,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, max_batch_size=args.max_batch_size,
+        block_size=args.block_size, threshold=args.threshold,
     )
     uvicorn.run(create_app(model, tokenizer, config, load_calibration(folder)), host=args.host, port=args.port)
 
@@ -396,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="fit the block-size head (block_size='auto') on held-out prompts")
     p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL}); the calibration is saved into it")
-    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
     p.add_argument("--fit-prompts", type=int, default=16)
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -408,8 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL})")
-        p.add_argument("--block-size", type=_block_size, default=16, help="tokens per block, or 'auto' (calibrated)")
-        p.add_argument("--threshold", type=float, default=0.9, help="confidence to unmask in parallel (1.0: one per step)")
+        p.add_argument("--block-size", type=_block_size, default=DecodeParams.block_size, help="tokens per block, or 'auto' (calibrated)")
+        p.add_argument("--threshold", type=float, default=DecodeParams.threshold, help="confidence to unmask in parallel (1.0: one per step)")
         p.set_defaults(func=func)
         if name == "generate":
             p.add_argument("prompt", nargs="?")
@@ -437,8 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help="timed runs of each request (default: 3; --quick: 1)")
     p.add_argument("--prompts", type=int, help="held-out prompts spread over the tasks (default: 49; --quick: 4)")
     p.add_argument("--threads", type=int)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=DecodeParams.block_size)
+    p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
     p.add_argument("--contexts", nargs="+", metavar="N", help="context lengths (default: 1k 4k 16k 64k)")
     p.add_argument("--draft", action="store_true", help="Clover fills blocks with prompt-lookup drafts (all-attention models)")
     p.add_argument("--llama-cpp", action="store_true",
@@ -453,8 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the zones, wall times, TPF and scores here")
     p.add_argument("--seed", type=int, default=0, help="which generated set of messages")
     p.add_argument("--out", default="outputs", help="folder for no_fly_zones.png and denoising.png (default: outputs)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=DecodeParams.block_size)
+    p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, JSON schemas, tools)")
@@ -466,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=8192)
     p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask for")
     p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=_block_size, default=DecodeParams.block_size,
+                   help="the block size of requests that do not set one, or 'auto' (calibrated)")
+    p.add_argument("--threshold", type=float, default=DecodeParams.threshold, help="the unmasking threshold of requests that do not set one")
     p.add_argument("--threads", type=int)
     p.set_defaults(func=cmd_serve)
     return parser

@@ -92,7 +92,7 @@ def decide(
     """Answer `questions` (each (text, options), options one token each): jointly in one generation, or
     one at a time (each its own generation, run one after another). `distinct` (joint only): no two
     answers alike, enforced while the slots are unmasked."""
-    params = params or DecodeParams(threshold=0.9)
+    params = params or DecodeParams()
     params = replace(params, stop_token_ids=tuple(params.stop_token_ids) or stop_token_ids(tokenizer))
     engine = engine or Engine(model)
     answers, forwards, started = [], 0, time.perf_counter()
@@ -103,7 +103,7 @@ def decide(
     return Decision(answers, forwards, time.perf_counter() - started)
 
 
-def bench_decisions(model, tokenizer, prompts: int = 8, drones: int = 8, threshold: float = 0.9) -> dict:
+def bench_decisions(model, tokenizer, prompts: int = 8, drones: int = 8, threshold: float = DecodeParams.threshold) -> dict:
     """drone_slots puzzles answered one at a time, jointly, and jointly with distinct answers enforced:
     no_overlap (no shared zone), consistent (no shared zone and every zone allowed) and exact rates,
     per-drone accuracy, median wall time and forwards per puzzle."""

@@ -323,8 +323,8 @@ def run_demo(
     *,
     peer_model=None,
     json_path: Path | None = None,
-    block_size: int = 16,
-    threshold: float = 0.9,
+    block_size: int = DecodeParams.block_size,
+    threshold: float = DecodeParams.threshold,
     prompt_token_limit: int = PROMPT_TOKEN_LIMIT,
     max_new_tokens: int | None = None,
     console: Console | None = None,
@@ -423,8 +423,8 @@ def demo(
     seed: int = 0,
     out_dir: Path = Path("outputs"),
     json_path: Path | None = None,
-    block_size: int = 16,
-    threshold: float = 0.9,
+    block_size: int = DecodeParams.block_size,
+    threshold: float = DecodeParams.threshold,
 ) -> dict:
     """`clover demo`: load the models and the messages, then run_demo. peer_dir None: Clover only;
     peer_required: a missing peer folder is an error (an explicit --peer) rather than a note."""

@@ -74,8 +74,8 @@ class ServerConfig:
     max_stop: int = 4
     max_pending: int = 256  # generations queued or running; beyond that a request gets 429
     max_batch_size: int = 16
-    block_size: int | str = 16
-    threshold: float = 0.9
+    block_size: int | str = DecodeParams.block_size
+    threshold: float = DecodeParams.threshold
 
 
 # -- errors --
