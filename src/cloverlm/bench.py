@@ -82,9 +82,14 @@ ACCURACY_FIELDS = {"no_fly_zones": "zone_exact_match"}
 PREFILL_LIMIT = 8192
 PEER_PIECE = 2048  # the peer reads a long context in forwards of this many tokens
 PEER_FIELDS = ("accuracy", "wall_s_median", "tokens_per_s")
-# Who the tasks section times: Clover at the bench's block size, (d) Clover at block size 1, (a) the
-# AR peer with transformers' generate, (b) the same with prompt lookup, (c) llama.cpp on the base's GGUF.
-RUNNERS = ("clover", "clover_b1", "peer", "peer_lookup", "llama_cpp")
+# Who the tasks section times, with their plot labels: Clover at the bench's block size, (d) Clover at
+# block size 1, (a) the AR peer with transformers' generate, (b) the same with prompt lookup, (c)
+# llama.cpp on the base's GGUF.
+RUNNER_LABELS = {
+    "clover": "Clover", "clover_b1": "Clover, block size 1", "peer": "peer: generate",
+    "peer_lookup": "peer: generate + prompt lookup", "llama_cpp": "llama.cpp (base GGUF)",
+}
+RUNNERS = tuple(RUNNER_LABELS)
 
 
 @dataclass
@@ -458,12 +463,6 @@ def write_report(report: dict, json_path: Path) -> list[Path]:
         figure.savefig(path, dpi=110)
         paths.append(path)
     return paths
-
-
-RUNNER_LABELS = {
-    "clover": "Clover", "clover_b1": "Clover, block size 1", "peer": "peer: generate",
-    "peer_lookup": "peer: generate + prompt lookup", "llama_cpp": "llama.cpp (base GGUF)",
-}
 
 
 def _plot_tasks(axes, report: dict) -> None:

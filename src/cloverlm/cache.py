@@ -33,6 +33,7 @@ class DecodeBlock:
     history_max: int  # max(history), on the host
     commit: bool  # fold the block into the cache (a clean block), or only read it (a denoising step)
     padded: bool  # some row's block has padding positions
+    same_history: bool  # every row sees the same number of committed tokens
     key_mask: torch.Tensor | None  # [B, 1, n, history_max + n] over an attention buffer's prefix; None: all
     block_mask: torch.Tensor | None  # [B, 1, n, n] within the block; None: no padding
 
@@ -51,11 +52,11 @@ class DecodeBlock:
         counts = valid.sum(1)
         history_max = max(history_list, default=0)
         all_valid = bool(valid.all())
-        uniform = len(set(history_list)) <= 1 and all_valid
+        same_history = len(set(history_list)) <= 1
+        uniform = same_history and all_valid
         causal = commit and causal_commit and n > 1
         device = valid.device
         key_mask = block_mask = None
-        later = torch.arange(n, device=device)[None, :] > torch.arange(n, device=device)[:, None]  # [n, n]: key after query
         if not uniform or causal or causal_inputs is not None:
             keys = torch.arange(history_max + n, device=device)[None, None, :]  # [1, 1, W]
             itself = (history[:, None] + torch.arange(n, device=device))[:, :, None]  # [B, n, 1]
@@ -71,10 +72,11 @@ class DecodeBlock:
         if not all_valid or causal_inputs is not None:
             inside = valid[:, None, :] | torch.eye(n, dtype=torch.bool, device=device)[None]
             if causal_inputs is not None:
+                later = torch.arange(n, device=device)[None, :] > torch.arange(n, device=device)[:, None]  # key after query
                 inside &= ~(causal_inputs[:, None, :] & later[None])
             block_mask = inside[:, None]
         positions = history[:, None] + torch.arange(n, device=device)
-        return cls(valid, positions, history, history_max, commit, not all_valid, key_mask, block_mask)
+        return cls(valid, positions, history, history_max, commit, not all_valid, same_history, key_mask, block_mask)
 
 
 @dataclass
@@ -115,7 +117,7 @@ class LayerCache:
         n = k.shape[2]
         width = block.history_max + n
         self.reserve(k, width)
-        if block.key_mask is None or k.shape[0] == 1:  # one history length for all rows
+        if block.same_history:
             start = block.history_max
             self.keys[:, :, start:width] = k
             self.values[:, :, start:width] = v

@@ -291,7 +291,7 @@ class _Row:
         return base + (1 if self.block_steps < extra else 0)
 
 
-def threshold_accept(confidence: torch.Tensor, open_: torch.Tensor, threshold: float, last_step) -> torch.Tensor:
+def threshold_accept(confidence: torch.Tensor, open_: torch.Tensor, threshold: float | torch.Tensor, last_step) -> torch.Tensor:
     """The threshold rule (Fast-dLLM) over [..., n] blocks: every open position whose confidence is at
     least `threshold`, and always the most confident open one; at the last step (bool, or [...] per
     block) every open position. Blocks with nothing open accept nothing."""
@@ -465,9 +465,8 @@ class Engine:
         if not self.rows:
             return []
         pad = self.config.mask_token_id
-        written = torch.tensor([row.written_commit for row in self.rows])
-        if bool(written.any()):
-            self.cache.keep_written(written)
+        if any(row.written_commit for row in self.rows):
+            self.cache.keep_written(torch.tensor([row.written_commit for row in self.rows]))
             for row in self.rows:
                 row.written_commit = 0
         commits = [row.pending_commit or [] for row in self.rows]
@@ -535,7 +534,7 @@ class Engine:
         """The threshold rule for many rows at once, on the model's device: only the chosen ids and their
         confidences ([rows, n] each) come to the host. The same tokens as `_denoise` (tested)."""
         tokens, confidence = _greedy(logits)
-        tokens, confidence = tokens.cpu(), confidence.float().cpu()
+        tokens, confidence = tokens.cpu(), confidence.cpu()
         width = tokens.shape[1]
         open_ = torch.zeros(len(rows), width, dtype=torch.bool)
         for i, row in enumerate(rows):

@@ -618,24 +618,19 @@ class CloverDecoderLayer(nn.Module):
         live = [i for i, (_, block) in enumerate(parts) if not (skip_commit_ffn and block.commit)]
         if not live:
             return [None] * len(parts)
-        if not any(parts[i][1].padded for i in live):  # the parts go through whole
-            flat = torch.cat([mixed[i].flatten(0, 1) for i in live])
-            flat = self._feed_forward(flat[None])[0][0]
-            start, out = 0, [None] * len(parts)
-            for i in live:
-                count = mixed[i].shape[0] * mixed[i].shape[1]
-                out[i] = flat[start : start + count].view_as(mixed[i])
-                start += count
-            return out
-        # only real positions go through the experts; padding stays as it is
-        flat = self._feed_forward(torch.cat([mixed[i][parts[i][1].valid] for i in live])[None])[0][0]
+        # only real positions go through the experts; padding keeps its hidden state
+        padded = any(parts[i][1].padded for i in live)
+        rows = [mixed[i][parts[i][1].valid] if padded else mixed[i].flatten(0, 1) for i in live]
+        flat = self._feed_forward(torch.cat(rows)[None])[0][0]
         start, out = 0, [None] * len(parts)
-        for i in live:
-            valid = parts[i][1].valid
-            count = int(valid.sum())
-            out[i] = mixed[i].clone()
-            out[i][valid] = flat[start : start + count].to(mixed[i].dtype)
-            start += count
+        for i, part_rows in zip(live, rows):
+            piece = flat[start : start + len(part_rows)]
+            start += len(part_rows)
+            if padded:
+                mixed[i][parts[i][1].valid] = piece.to(mixed[i].dtype)
+                out[i] = mixed[i]
+            else:
+                out[i] = piece.view_as(mixed[i])
         return out
 
 
