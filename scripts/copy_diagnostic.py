@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from cloverlm import train
-from cloverlm.config import preset_config
-from cloverlm.data import Batch, Mixture, encode_example
+from cloverlm.model.config import preset_config
 from cloverlm.tasks import Example
 from cloverlm.tokenizer import load_tokenizer
+from cloverlm.training import train
+from cloverlm.training.data import Batch, Mixture, encode_example
 
 
 def copy_example(rng: random.Random, alphabet: str, lengths: tuple[int, int]) -> Example:

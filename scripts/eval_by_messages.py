@@ -17,10 +17,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from cloverlm.checkpoint import load_model  # noqa: E402
-from cloverlm.evaluate import evaluate_tasks  # noqa: E402
-from cloverlm.peer import load_peer  # noqa: E402
+from cloverlm.convert.load import load_model  # noqa: E402
+from cloverlm.convert.peer import load_peer  # noqa: E402
 from cloverlm.tokenizer import load_tokenizer  # noqa: E402
+from cloverlm.training.evaluate import evaluate_tasks  # noqa: E402
 
 FIELDS = ("zone_exact_match", "field/id", "field/lat", "field/radius", "count")
 

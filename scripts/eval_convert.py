@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
-from cloverlm.checkpoint import load_model
-from cloverlm.convert import load_base
-from cloverlm.convert_train import read_chat
-from cloverlm.engine import DecodeParams, Engine, Request
-from cloverlm.evaluate import evaluate_tasks, stop_token_ids
-from cloverlm.peer import load_peer
-from cloverlm.tokenizer import format_chat, load_tokenizer
+from cloverlm.convert.base import load_base
+from cloverlm.convert.load import load_model
+from cloverlm.convert.peer import load_peer
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.tokenizer import format_chat, load_tokenizer, stop_token_ids
+from cloverlm.training.convert import read_chat
+from cloverlm.training.evaluate import evaluate_tasks
 
 
 def chat_agreement(model, tokenizer, records: list[dict]) -> dict:

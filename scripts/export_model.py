@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from cloverlm.checkpoint import load_model, save_model
-from cloverlm.peer import is_peer_folder, load_peer, save_peer
+from cloverlm.convert.load import load_model
+from cloverlm.convert.peer import is_peer_folder, load_peer, save_peer
+from cloverlm.model.checkpoint import save_model
 from cloverlm.tokenizer import load_tokenizer
 
 

@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from cloverlm import CloverCache, CloverForBlockDiffusion, preset_config
-from cloverlm.diffusion import NoisedBatch, diffusion_loss, mask_blocks, sample_partition
-from cloverlm.engine import DecodeParams, Engine, Request
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.errors import CloverError
 from cloverlm.ops import fla_backend
+from cloverlm.training.diffusion import NoisedBatch, diffusion_loss, mask_blocks, sample_partition
 
 BLOCK_SIZES = [1, 4, 8, 16, 32, 64]  # the widest stage of the training recipe's mix
 

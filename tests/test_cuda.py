@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from cloverlm import CloverCache, CloverError
-from cloverlm.model import CloverSparseMoeBlock
+from cloverlm.model.layers import CloverSparseMoeBlock
 from cloverlm.ops import fla_backend
 from cloverlm.ops.gated_delta import (
     chunk_gated_delta_rule,

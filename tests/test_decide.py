@@ -7,8 +7,10 @@ import json
 import pytest
 
 from cloverlm import CloverError
-from cloverlm.decide import bench_decisions, decide, decision_requests
-from cloverlm.engine import DecodeParams, Engine, Request, Slots
+from cloverlm.bench.decisions import bench_decisions
+from cloverlm.decoding.decisions import decide, decision_requests
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.params import DecodeParams, Request, Slots
 from cloverlm.tasks.drone_slots import DroneSlots, consistent
 from conftest import tiny_model
 

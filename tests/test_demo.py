@@ -12,9 +12,16 @@ from matplotlib.image import imread
 from rich.console import Console
 
 from cloverlm import CloverError, preset_config, tasks
-from cloverlm.checkpoint import save_model
 from cloverlm.cli import main
-from cloverlm.demo import (
+from cloverlm.convert.peer import build_peer, peer_config
+from cloverlm.demo.plots import (
+    SOURCE_COLORS,
+    altitude_ft,
+    render_denoising_strip,
+    render_zone_map,
+    zone_cylinder,
+)
+from cloverlm.demo.run import (
     DecodeView,
     Messages,
     answer_token_budget,
@@ -24,14 +31,7 @@ from cloverlm.demo import (
     read_messages,
     run_demo,
 )
-from cloverlm.demo_plots import (
-    SOURCE_COLORS,
-    altitude_ft,
-    render_denoising_strip,
-    render_zone_map,
-    zone_cylinder,
-)
-from cloverlm.peer import build_peer, peer_config
+from cloverlm.model.checkpoint import save_model
 from cloverlm.tasks.base import dumps
 from cloverlm.tasks.no_fly_zones import FIELDS, format_prompt, parse_zones, prompt_messages
 from conftest import TINY, tiny_model

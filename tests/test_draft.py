@@ -1,12 +1,14 @@
-"""Draft-filled blocks (cloverlm.draft and the engine's use of it) and the batched threshold rule."""
+"""Draft-filled blocks (cloverlm.decoding.draft and the engine's use of it) and the batched threshold rule."""
 
 import pytest
 import torch
 
 from cloverlm import CloverCache, CloverError
-from cloverlm.config import ATTENTION
-from cloverlm.draft import PromptLookup
-from cloverlm.engine import DecodeParams, Engine, Request, threshold_accept
+from cloverlm.decoding.draft import PromptLookup
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.decoding.unmask import threshold_accept
+from cloverlm.model.config import ATTENTION
 from conftest import tiny_model
 
 MASK = 2

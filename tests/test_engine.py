@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from cloverlm import CloverCache, CloverError
-from cloverlm.config import ATTENTION, MEMORY
-from cloverlm.engine import DecodeParams, Engine, Request
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.model.config import ATTENTION, MEMORY
 from conftest import tiny_model
 
 MASK = 2

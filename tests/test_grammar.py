@@ -8,10 +8,11 @@ import jsonschema
 import pytest
 import torch
 
-from cloverlm.engine import DecodeParams, Engine, Request
-from cloverlm.evaluate import stop_token_ids
-from cloverlm.grammar import GrammarError, Grammars
-from cloverlm.server import parse_tool_calls
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.grammar import GrammarError, Grammars
+from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.serving.server import parse_tool_calls
+from cloverlm.tokenizer import stop_token_ids
 from conftest import tiny_model
 
 # Twenty schemas covering the JSON-schema features clients use; lengths are bounded so that a random

@@ -6,8 +6,9 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 from cloverlm import CloverCache, CloverConfig, CloverError, preset_config
-from cloverlm.checkpoint import load_model, save_model
-from cloverlm.config import ATTENTION, MEMORY, parameter_counts
+from cloverlm.convert.load import load_model
+from cloverlm.model.checkpoint import save_model
+from cloverlm.model.config import ATTENTION, MEMORY, parameter_counts
 from cloverlm.ops.moe import dispatch_experts
 from conftest import tiny_model
 

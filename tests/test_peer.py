@@ -9,12 +9,19 @@ import torch
 import torch.nn.functional as F
 
 from cloverlm import CloverError, preset_config
-from cloverlm.checkpoint import load_model
-from cloverlm.config import parameter_counts
-from cloverlm.data import heldout_examples
-from cloverlm.evaluate import answer_budget
-from cloverlm.peer import build_peer, load_peer, next_token_loss, peer_config, peer_generate, save_peer
+from cloverlm.convert.load import load_model
+from cloverlm.convert.peer import (
+    build_peer,
+    load_peer,
+    next_token_loss,
+    peer_config,
+    peer_generate,
+    save_peer,
+)
+from cloverlm.model.config import parameter_counts
 from cloverlm.tasks import get_task
+from cloverlm.training.data import heldout_examples
+from cloverlm.training.evaluate import answer_budget
 from conftest import TINY
 
 
@@ -131,7 +138,7 @@ def test_bad_peer_checkpoints_get_one_line_errors(tmp_path):
 @pytest.fixture
 def stdlib_tokenized_once(monkeypatch):
     """Every Trainer tokenizes the stdlib (~20 s); the runs of one test share a tokenizer, so once is enough."""
-    from cloverlm import train
+    from cloverlm.training import train
 
     cache = {}
     original = train.tokenize_stdlib
@@ -165,7 +172,7 @@ def test_peer_trains_checkpoints_and_resumes_exactly(tmp_path, small_tokenizer, 
     from safetensors.torch import load_file
 
     from cloverlm.cli import main
-    from cloverlm.train import Trainer
+    from cloverlm.training.train import Trainer
 
     def train(out, *extra, args=PEER_TRAIN_ARGS):
         main(["train", "--out", str(out), *args, "--tokenizer", str(small_tokenizer), *extra])

@@ -6,8 +6,8 @@ import pytest
 
 from cloverlm import CloverError, preset_config
 from cloverlm.cli import main
-from cloverlm.config import parameter_counts
-from cloverlm.plan import GIB, memory_plan
+from cloverlm.model.config import parameter_counts
+from cloverlm.model.plan import GIB, memory_plan
 
 
 def test_serving_numbers_for_35b_on_8_gpus():

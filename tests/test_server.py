@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from cloverlm.bench_serving import bench_load
+from cloverlm.bench.serving import bench_load
 from cloverlm.cli import build_parser
-from cloverlm.engine import DecodeParams, Engine, Request
-from cloverlm.evaluate import stop_token_ids
-from cloverlm.server import ServerConfig, background_server, create_app
-from cloverlm.tokenizer import load_tokenizer
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.serving.server import ServerConfig, background_server, create_app
+from cloverlm.tokenizer import load_tokenizer, stop_token_ids
 from conftest import tiny_model
 
 KEY = "test-key"

@@ -2,7 +2,6 @@ import json
 
 import pytest
 
-from cloverlm.corpus import read_source, stdlib_files, stdlib_root
 from cloverlm.tokenizer import (
     EOS_TOKEN,
     IM_END,
@@ -19,6 +18,7 @@ from cloverlm.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
+from cloverlm.training.corpus import read_source, stdlib_files, stdlib_root
 
 
 @pytest.fixture(scope="session")

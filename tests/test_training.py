@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from cloverlm import CloverError
-from cloverlm.checkpoint import load_model, save_model
-from cloverlm.diffusion import diffusion_loss, fixed_partition, mask_blocks, sample_partition
+from cloverlm.convert.load import load_model
+from cloverlm.model.checkpoint import save_model
+from cloverlm.model.layout import fixed_partition
+from cloverlm.training.diffusion import diffusion_loss, mask_blocks, sample_partition
 from conftest import losses, tiny_model
 
 

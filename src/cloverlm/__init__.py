@@ -1,9 +1,9 @@
 """cloverlm: block-diffusion Mixture-of-Experts language models (Clover)."""
 
-from .cache import CloverCache
-from .config import PRESETS, CloverConfig, preset_config
-from .errors import CloverError
-from .model import CloverForBlockDiffusion, register_auto_classes
+from cloverlm.errors import CloverError
+from cloverlm.model.cache import CloverCache
+from cloverlm.model.clover import CloverForBlockDiffusion, register_auto_classes
+from cloverlm.model.config import PRESETS, CloverConfig, preset_config
 
 register_auto_classes()
 

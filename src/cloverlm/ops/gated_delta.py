@@ -248,7 +248,7 @@ def two_stream_gated_delta_rule(
     With CUDA tensors and flash-linear-attention installed, one fused kernel call (both streams
     interleaved); otherwise the pure-PyTorch chunked rule, which stays the reference.
     """
-    from .fla_backend import kernel_for
+    from cloverlm.ops.fla_backend import kernel_for
 
     kernel = kernel_for(q)
     if kernel is None:

@@ -1,6 +1,6 @@
 """Drone slots: assign up to 8 drones to landing zones so that no two share one, each within the zones
 it may use. The allowed sets are pruned until exactly one assignment works, so the answers depend on
-each other: a drone's zone is only certain once the others' are known (joint decisions, `cloverlm.decide`).
+each other: a drone's zone is only certain once the others' are known (joint decisions, `cloverlm.decoding.decisions`).
 
 Not in `tasks.TASKS`: adding a source there would change the default tokenizer's training text.
 The answer is the decision layout: {"1":"<zone of drone 1>","2":...}.
@@ -68,7 +68,7 @@ class DroneSlots:
         )
 
     def questions(self, example: Example) -> list[tuple[str, list[str]]]:
-        """One question per drone, for `cloverlm.decide`: (question, options)."""
+        """One question per drone, for `cloverlm.decoding.decisions`: (question, options)."""
         count = len(example.truth["allowed"])
         return [(f"Which zone does drone {d + 1} land in?", [str(z) for z in range(1, count + 1)]) for d in range(count)]
 

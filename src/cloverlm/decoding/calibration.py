@@ -1,0 +1,69 @@
+"""The block-size head behind `block_size="auto"` (docs/design.md section 5).
+
+A small head reads the hidden state a block starts from (the final hidden state of the last decoded
+position) and predicts, for each candidate size n, how many denoising steps the next block would take
+at the calibrated threshold. The decoder picks the size with the highest expected tokens per second,
+n / (steps(n) * forward_ms(n)), where forward_ms is measured on the calibrating machine: a bigger block
+only pays when the model is sure enough to fill it in few steps. `clover calibrate`
+(cloverlm.training.calibrate) fits it and saves calibration.json + calibration.safetensors into the
+model folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FILES = ("calibration.json", "calibration.safetensors")
+
+
+@dataclass
+class Calibration:
+    block_sizes: list[int]
+    threshold: float
+    forward_ms: list[float]  # one denoising forward of each size, batch 1
+    weight: torch.Tensor  # [S, H]: log(steps) = weight @ hidden + bias
+    bias: torch.Tensor  # [S]
+    prefill_block_size: int = 16
+
+    def predicted_steps(self, hidden: torch.Tensor) -> torch.Tensor:
+        steps = (self.weight @ hidden.float() + self.bias).exp()
+        return torch.minimum(steps.clamp(min=1.0), torch.tensor(self.block_sizes, dtype=torch.float32))
+
+    def choose(self, hidden: torch.Tensor) -> int:
+        sizes = torch.tensor(self.block_sizes, dtype=torch.float32)
+        speed = sizes / (self.predicted_steps(hidden) * torch.tensor(self.forward_ms))
+        return self.block_sizes[int(speed.argmax())]
+
+    def save(self, folder: Path, extra: dict | None = None) -> None:
+        folder = Path(folder)
+        save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}, str(folder / FILES[1]))
+        meta = {
+            "block_sizes": self.block_sizes,
+            "threshold": self.threshold,
+            "forward_ms": self.forward_ms,
+            "prefill_block_size": self.prefill_block_size,
+            **(extra or {}),
+        }
+        (folder / FILES[0]).write_text(json.dumps(meta, indent=1))
+
+
+def load_calibration(folder: str | Path) -> Calibration | None:
+    """The calibration saved in a model folder, or None if it was never calibrated."""
+    folder = Path(folder)
+    if not (folder / FILES[0]).exists():
+        return None
+    meta = json.loads((folder / FILES[0]).read_text())
+    tensors = load_file(str(folder / FILES[1]))
+    return Calibration(
+        block_sizes=meta["block_sizes"],
+        threshold=meta["threshold"],
+        forward_ms=meta["forward_ms"],
+        weight=tensors["weight"],
+        bias=tensors["bias"],
+        prefill_block_size=meta.get("prefill_block_size", 16),
+    )

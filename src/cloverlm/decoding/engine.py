@@ -1,0 +1,383 @@
+"""The decoding engine: block-diffusion generation for a batch of requests, on token ids.
+
+Shifted convention (docs/design.md section 1a): every slot predicts the token after it. A block that will hold
+tokens x_s .. x_{s+B-1} is run as [x_{s-1}, x_s or MASK, ..., x_{s+B-2} or MASK] at positions
+s-1 .. s+B-2, so its first slot is the last committed token and the cache lags one token behind the
+text. Per request: the prompt but its last token is prefilled as clean blocks of the request's block
+size; the last prompt token opens the first block. Each denoising step runs the block against the
+request's cache and unmasks positions by one of two rules:
+
+* "threshold" (Fast-dLLM): every masked position whose confidence (probability of the chosen token)
+  is at least `threshold`, and always the most confident one; after `max_steps` steps the rest at once.
+* "low_confidence" (LLaDA): a fixed number of steps per block, each unmasking its share of the
+  block's positions, most confident first.
+
+A finished block's inputs are committed in the same forward as the first step of the next block (the
+fused step of `CloverForBlockDiffusion.decode`); its last token opens the next block. The last block of
+a request is never committed: nothing will read it. At block size 1 this is greedy autoregressive
+decoding, token for token.
+
+Continuous batching at block granularity: requests join (after their own prefill) and leave between
+forwards; the batch holds blocks of different sizes, padded, and caches of different lengths. Each
+request's result is the same as decoding it alone (greedy), tested.
+
+Constrained decoding: a request may carry a `Constraint` (a grammar over token ids, e.g. a JSON
+schema). A grammar reads left to right, so under one only the leftmost run of masked positions may be
+unmasked in a step: the first masked position always, each next one while its grammar-masked choice
+passes the rule; every candidate is drawn from logits masked by the grammar state after the tokens
+before it. Tokens the grammar forces (e.g. `{"name":`) are filled in without a model step.
+
+Slots: a request may instead give its whole answer as a fixed layout (`Slots`): one block holding the
+layout's tokens with [MASK] at the slots, each slot restricted to its options. The slots are unmasked by
+the usual rule in any order, so every answer is chosen seeing the others (joint decisions).
+
+The engine knows nothing of tokenizers or HTTP: stop strings come in as a callable over token ids.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from cloverlm.decoding.params import AUTO, BlockRecord, Completion, Request, drafts_supported
+from cloverlm.decoding.row import DecodeRow
+from cloverlm.decoding.unmask import choose_tokens, greedy, threshold_accept
+from cloverlm.errors import CloverError
+from cloverlm.model.cache import CloverCache
+from cloverlm.model.clover import CloverForBlockDiffusion
+from cloverlm.model.layout import fixed_partition
+
+
+class Engine:
+    """Continuous batching of block-diffusion requests over one model.
+
+    submit() queues requests; step() admits waiting ones (prefill), runs one batched forward and returns
+    the requests that finished; run() steps until everything is done.
+    """
+
+    def __init__(
+        self, model: CloverForBlockDiffusion, max_batch_size: int = 16, calibration=None, record_blocks: bool = False,
+        batched_unmask: bool = True,
+    ):
+        """calibration: a `cloverlm.decoding.calibration.Calibration`, needed for block_size="auto".
+        record_blocks: keep a BlockRecord per finished block in each Completion (calibration fitting).
+        batched_unmask=False decides every row on the host, one by one (the reference the batched rule
+        is tested against)."""
+        self.batched_unmask = batched_unmask
+        if max_batch_size < 1:
+            raise CloverError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        self.model = model.eval()
+        # Ids and caches go to the model's device; logits and hidden states come back to the CPU, where
+        # the unmasking rules, sampling generators, grammars and the calibration head live.
+        self.device = next(model.parameters()).device
+        self.calibration = calibration
+        self.record_blocks = record_blocks
+        self.config = model.config
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[DecodeRow] = deque()
+        self.rows: list[DecodeRow] = []
+        self.cache: CloverCache | None = None
+        self._submitted = 0
+        self.forwards = 0  # batched forwards run by this engine
+
+    # -- requests --
+
+    def submit(self, request: Request) -> None:
+        if not request.prompt_ids:
+            raise CloverError("empty prompt: give at least one token")
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.config.vocab_size:
+            raise CloverError(f"prompt token ids must be in 0..{self.config.vocab_size - 1}")
+        if self.config.mask_token_id in request.prompt_ids:
+            # a [MASK] in the prompt's leftover block would be "denoised" and overwrite the prompt
+            raise CloverError(f"the prompt contains the mask token id {self.config.mask_token_id}; it is reserved for decoding")
+        request.params.validate(self.config.max_block_size)
+        if request.params.draft and not drafts_supported(self.config):
+            raise CloverError("drafts need an all-attention model (config.layer_types without memory layers)")
+        if request.params.block_size == AUTO and self.calibration is None:
+            raise CloverError('block_size="auto" needs a calibrated model: run `clover calibrate --model DIR` first')
+        if request.slots is not None:
+            self._check_slots(request)
+        self.waiting.append(DecodeRow(request, self._submitted, self.config.mask_token_id))
+        self._submitted += 1
+
+    def _check_slots(self, request: Request) -> None:
+        slots, vocab = request.slots, self.config.vocab_size
+        if request.constraint is not None:
+            raise CloverError("a request takes slots or a constraint, not both")
+        if not 1 <= len(slots.layout) <= self.config.max_block_size:
+            raise CloverError(f"a slot layout is one block: 1..{self.config.max_block_size} tokens, got {len(slots.layout)}")
+        if sum(token is None for token in slots.layout) != len(slots.options) or not all(slots.options):
+            raise CloverError("slots need one non-empty list of options per None in the layout")
+        reserved = {self.config.mask_token_id, self.config.eos_token_id, *request.params.stop_token_ids}
+        tokens = [t for t in slots.layout if t is not None] + [t for options in slots.options for t in options]
+        if any(not 0 <= t < vocab or t in reserved for t in tokens):
+            raise CloverError(f"slot layout and options must be ordinary token ids in 0..{vocab - 1} (no mask or stop ids)")
+
+    def cancel(self, request: Request) -> bool:
+        """Drop a request, waiting or in the batch (with its cache rows), at once; False if it is not here
+        (finished or never submitted). The others' results are unchanged."""
+        for index, row in enumerate(self.waiting):
+            if row.request is request:
+                del self.waiting[index]
+                return True
+        for index, row in enumerate(self.rows):
+            if row.request is request:
+                keep = [i for i in range(len(self.rows)) if i != index]
+                self.rows = [self.rows[i] for i in keep]
+                self.cache = self.cache.select(keep) if keep else None
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.rows)
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Decode a batch of requests to the end; completions in the order given."""
+        if not requests:
+            raise CloverError("empty batch: give at least one request")
+        for request in requests:
+            self.submit(request)
+        return self.run()
+
+    def run(self) -> list[Completion]:
+        done: list[Completion] = []
+        while self.has_work():
+            done += self.step()
+        return sorted(done, key=lambda completion: completion.order)
+
+    # -- the loop --
+
+    @torch.no_grad()
+    def _admit(self) -> None:
+        joined = []
+        while self.waiting and len(self.rows) + len(joined) < self.max_batch_size:
+            row = self.waiting.popleft()
+            prompt, size = row.request.prompt_ids, row.params.block_size
+            cache = CloverCache.empty(self.config, 1, device=self.device)
+            if size == AUTO:
+                size = self.calibration.prefill_block_size
+            history = prompt[:-1]  # the last prompt token opens the first block (shifted convention)
+            if history:
+                partition = fixed_partition(len(history), size)
+                ids = torch.tensor([history], device=self.device)
+                row.last_hidden = self.model.prefill(ids, partition, cache)[0].float().cpu()
+                # the whole answer's keys fit without regrowing (a block may overhang the budget)
+                cache.reserve(len(prompt) + row.params.max_new_tokens + self.config.max_block_size)
+            if row.request.slots is not None:
+                row.start_slots(self.config.vocab_size)
+            elif row.params.block_size == AUTO:
+                row.start_block(self.calibration.choose(row.last_hidden))
+            else:
+                row.start_block(size)
+            joined.append((row, cache))
+        if joined:
+            caches = ([self.cache] if self.rows else []) + [cache for _, cache in joined]
+            self.cache = CloverCache.concat(caches) if len(caches) > 1 else caches[0]
+            self.rows += [row for row, _ in joined]
+
+    @torch.no_grad()
+    def step(self) -> list[Completion]:
+        """Admit waiting requests, run one forward for the batch, return the requests that finished."""
+        self._admit()
+        if not self.rows:
+            return []
+        pad = self.config.mask_token_id
+        if any(row.written_commit for row in self.rows):
+            self.cache.keep_written(torch.tensor([row.written_commit for row in self.rows]))
+            for row in self.rows:
+                row.written_commit = 0
+        commits = [row.pending_commit or [] for row in self.rows]
+        commit_ids = commit_valid = None
+        if any(commits):
+            commit_ids, commit_valid = _pad([torch.tensor(c, dtype=torch.long) for c in commits], pad, self.device)
+        inputs = [row.step_inputs() for row in self.rows]
+        for row, (ids, causal) in zip(self.rows, inputs):
+            row.step_ids, row.step_causal = ids, causal
+        step_ids, step_valid = _pad([ids for ids, _ in inputs], pad, self.device)
+        step_causal = None
+        if any(bool(drafts.any()) for _, drafts in inputs):
+            step_causal = _pad([drafts.long() for _, drafts in inputs], 0, self.device)[0].bool()
+        logits, hidden = self.model.decode(
+            self.cache, commit_ids, commit_valid, step_ids, step_valid, return_hidden=True, step_causal=step_causal
+        )
+        logits[..., self.config.mask_token_id] = float("-inf")  # never "unmask" to [MASK]
+        ends = torch.tensor([len(row.block) - 1 for row in self.rows], device=hidden.device)
+        last_hidden = hidden[torch.arange(len(self.rows), device=hidden.device), ends].float().cpu()
+        self.forwards += 1
+        for index, row in enumerate(self.rows):  # before denoising: a block finished now sets its commit
+            row.pending_commit = None
+            row.forwards += 1
+            row.last_hidden = last_hidden[index]
+        plain = [index for index, row in enumerate(self.rows) if self._is_plain(row)]
+        if plain:
+            self._denoise_plain([self.rows[i] for i in plain], logits[plain])
+        finished, keep = [], []
+        for index, row in enumerate(self.rows):
+            if index not in plain:
+                self._denoise(row, logits[index, : len(row.block)].float().cpu())
+            if row.finish_reason is None:
+                keep.append(index)
+            else:
+                completion = Completion(
+                    row.request.request_id, row.generated, row.finish_reason, len(row.request.prompt_ids),
+                    row.forwards, row.steps, row.blocks, row.block_records if self.record_blocks else None, row.order,
+                )
+                finished.append(completion)
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            self.cache = self.cache.select(keep) if keep else None
+        return finished
+
+    def _commit_in_place(self, row: DecodeRow) -> bool:
+        """Whether the finished block's last step computed its commit already: same inputs (all final),
+        the commit's attention pattern (causal under causal_clean_stream, bidirectional otherwise; one
+        token is both) and attention layers only. Then its keys stand as written: at block size 1 this
+        halves the work per token."""
+        if not drafts_supported(self.config) or not torch.equal(row.step_ids, row.block_inputs()):
+            return False
+        if len(row.block) == 1:
+            return True
+        if self.config.causal_clean_stream:
+            return bool(row.step_causal[1:].all())
+        return not bool(row.step_causal.any())
+
+    def _is_plain(self, row: DecodeRow) -> bool:
+        """Rows whose step the batched rule decides: greedy threshold decoding without grammar or slots."""
+        params = row.params
+        return (self.batched_unmask and params.strategy == "threshold" and params.temperature < 1e-6
+                and row.request.constraint is None and row.allowed is None)
+
+    def _denoise_plain(self, rows: list[DecodeRow], logits: torch.Tensor) -> None:
+        """The threshold rule for many rows at once, on the model's device: only the chosen ids and their
+        confidences ([rows, n] each) come to the host. The same tokens as `_denoise` (tested)."""
+        tokens, confidence = greedy(logits)
+        tokens, confidence = tokens.cpu(), confidence.cpu()
+        width = tokens.shape[1]
+        open_ = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            n = len(row.block)
+            open_[i, :n] = (row.block == row.mask_id) & row.eligible(tokens[i, :n])
+        thresholds = torch.tensor([[row.params.threshold] for row in rows], dtype=confidence.dtype)
+        last = torch.tensor([row.last_step() for row in rows])
+        accept = threshold_accept(confidence, open_, thresholds, last)
+        for i, row in enumerate(rows):
+            n = len(row.block)
+            row.block = torch.where(accept[i, :n], tokens[i, :n], row.block)
+            self._end_step(row)
+
+    def _denoise(self, row: DecodeRow, logits: torch.Tensor) -> None:
+        params = row.params
+        if row.request.constraint is not None:
+            self._denoise_constrained(row, logits)
+            return
+        if row.allowed is not None:
+            logits = logits.masked_fill(~row.allowed, float("-inf"))
+        masked = row.block == row.mask_id
+        tokens, confidence = choose_tokens(logits, params, row.generator)
+        if params.strategy == "threshold":
+            accept = threshold_accept(confidence, masked & row.eligible(tokens), params.threshold, row.last_step())
+        else:
+            confidence = torch.where(masked, confidence, torch.full_like(confidence, -1.0))
+            accept = torch.zeros_like(masked)
+            accept[confidence.topk(min(row.transfer_count(), int(masked.sum()))).indices] = True
+        if row.allowed is not None and row.request.slots.distinct:
+            accept = self._distinct(row, tokens, confidence, accept)
+        row.block = torch.where(accept, tokens, row.block)
+        self._end_step(row)
+
+    @staticmethod
+    def _distinct(row: DecodeRow, tokens: torch.Tensor, confidence: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
+        """Slots with distinct answers: of the slots accepted in this step that want the same token the most
+        confident keeps it, the others stay masked; open slots may no longer take a chosen token (unless
+        it was their last option)."""
+        taken = {int(row.block[p]) for p in row.slot_positions if row.block[p] != row.mask_id}
+        keep = accept.clone()
+        for position in sorted(accept.nonzero()[:, 0].tolist(), key=lambda p: -float(confidence[p])):
+            token = int(tokens[position])
+            keep[position] = token not in taken
+            taken.add(token)
+        for position in row.slot_positions:
+            if row.block[position] == row.mask_id and not keep[position]:
+                remaining = row.allowed[position].clone()
+                remaining[list(taken)] = False
+                if bool(remaining.any()):
+                    row.allowed[position] = remaining
+        return keep
+
+    def _denoise_constrained(self, row: DecodeRow, logits: torch.Tensor) -> None:
+        """Unmask the leftmost run of masked positions, each drawn under the grammar state after the ones
+        before it; forced tokens are filled in between at no cost."""
+        params, constraint = row.params, row.request.constraint
+        stops = set(params.stop_token_ids) | {self.config.eos_token_id}
+        last_step = row.last_step()
+        budget = len(row.block) if params.strategy == "threshold" else row.transfer_count()
+        position = int((row.block == row.mask_id).nonzero()[0])
+        accepted = 0
+        while position < len(row.block) and accepted < budget:
+            allowed = constraint.allowed()
+            masked_logits = logits[position].masked_fill(~allowed[: logits.shape[-1]], float("-inf"))
+            token, confidence = (t.item() for t in choose_tokens(masked_logits[None], params, row.generator))
+            if accepted and params.strategy == "threshold" and not last_step and confidence < params.threshold:
+                break
+            row.block[position] = token
+            accepted += 1
+            if token in stops:  # the rest of the block is cut at the stop anyway
+                row.block[position:] = token
+                break
+            constraint.advance(token)
+            position = row.fill_forced(position + 1)
+        self._end_step(row)
+
+    def _end_step(self, row: DecodeRow) -> None:
+        row.block_steps += 1
+        row.steps += 1
+        if row.request.on_step is not None:
+            row.request.on_step(row.request, row.block.tolist())
+        if not bool((row.block == row.mask_id).any()):
+            self._finish_block(row)
+
+    def _finish_block(self, row: DecodeRow) -> None:
+        params = row.params
+        row.blocks += 1
+        if self.record_blocks and row.block_start_hidden is not None:
+            row.block_records.append(BlockRecord(row.block_start_hidden, len(row.block), row.block_steps))
+        stops = set(params.stop_token_ids) | {self.config.eos_token_id}
+        before = len(row.generated)
+        for token in row.block.tolist():
+            if token in stops:
+                row.finish_reason = "stop"
+                break
+            row.generated.append(token)
+        if row.finish_reason is None and params.stop is not None:
+            keep = params.stop(row.generated)
+            if keep is not None:
+                del row.generated[keep:]
+                row.finish_reason = "stop"
+        if row.finish_reason is None and row.request.slots is not None:
+            row.finish_reason = "stop"  # the layout is the whole answer
+        if row.finish_reason is None and len(row.generated) >= params.max_new_tokens:
+            row.finish_reason = "length"
+        if row.request.on_block is not None and len(row.generated) > before:
+            row.request.on_block(row.request, row.generated[before:])
+        if row.finish_reason is None:
+            if row.lookup is not None:
+                row.lookup.extend(row.block.tolist())
+            if self._commit_in_place(row):
+                row.written_commit = len(row.block)
+            else:
+                row.pending_commit = row.block_inputs().tolist()
+            row.last_token = int(row.block[-1])
+            size = self.calibration.choose(row.last_hidden) if params.block_size == AUTO else params.block_size
+            row.start_block(size)
+
+
+def _pad(blocks: list[torch.Tensor], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D blocks into [B, n] ids and a validity mask, on `device`."""
+    width = max(len(b) for b in blocks)
+    ids = torch.full((len(blocks), width), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(blocks), width, dtype=torch.bool)
+    for i, block in enumerate(blocks):
+        ids[i, : len(block)] = block
+        valid[i, : len(block)] = True
+    return ids.to(device), valid.to(device)

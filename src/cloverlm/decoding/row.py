@@ -1,0 +1,127 @@
+"""One request's decoding state in the engine's batch: its block, draft, constraint and slots."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from cloverlm.decoding.draft import PromptLookup
+from cloverlm.decoding.params import BlockRecord, Request
+
+
+class DecodeRow:
+    """A request in flight: its current block and what it has produced."""
+
+    def __init__(self, request: Request, order: int, mask_id: int):
+        self.request = request
+        self.order = order
+        self.params = request.params
+        self.mask_id = mask_id
+        self.generated: list[int] = []
+        self.last_token = request.prompt_ids[-1]  # slot 0 of the next block: the last token not in the cache
+        self.pending_commit: list[int] | None = None  # the finished block's inputs, committed with the next step
+        # A finished block whose last step ran exactly as its commit would: its keys, already written,
+        # become history without a commit forward (Engine._commit_in_place).
+        self.written_commit = 0
+        self.step_ids: torch.Tensor | None = None  # the inputs and causal flags the last step ran with
+        self.step_causal: torch.Tensor | None = None
+        self.forwards = self.steps = self.blocks = 0
+        self.finish_reason: str | None = None
+        self.last_hidden: torch.Tensor | None = None  # final hidden state of the last position decoded
+        self.block_records: list[BlockRecord] = []
+        self.allowed: torch.Tensor | None = None  # [block, V] under Slots: the tokens each position may take
+        seed = self.params.seed if self.params.seed is not None else random.randrange(2**63)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.lookup = PromptLookup(request.prompt_ids) if self.params.draft else None
+        self.drafted = torch.zeros(0, dtype=torch.bool)  # [block]: targets the current step reads as drafts
+        self.draft = None  # [block] the drafted tokens (where drafted)
+
+    def start_block(self, block_size: int) -> None:
+        """`block` holds the tokens the block decides (its targets), [MASK] where not yet chosen."""
+        size = min(block_size, self.params.max_new_tokens - len(self.generated))
+        self.block_start_hidden = self.last_hidden
+        self.block = torch.full((size,), self.mask_id)
+        self.block_steps = 0
+        self.initially_masked = size
+        # Forced tokens fill the new block, but one position stays masked: the block is run anyway (the
+        # forward commits the previous one), and a block with nothing masked would never be stepped.
+        self.fill_forced(0, keep_masked=1)
+
+    def block_inputs(self) -> torch.Tensor:
+        """The block as the model reads it: the last committed token, then the targets but the last."""
+        return torch.cat([torch.tensor([self.last_token]), self.block[:-1]])
+
+    def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs of the next step and which of them are drafts ([block] each). Without drafts these
+        are block_inputs() and no draft. A draft runs from the first masked target on and stops before
+        the first target already decided otherwise."""
+        size = len(self.block)
+        self.drafted = torch.zeros(size, dtype=torch.bool)
+        masked = self.block == self.mask_id
+        if self.lookup is None or self.request.constraint is not None or self.allowed is not None or not bool(masked.any()):
+            return self.block_inputs(), self.drafted
+        first = int(masked.nonzero()[0])
+        proposal = self.lookup.propose(self.block[:first].tolist(), size - first)
+        draft = self.block.clone()
+        for offset, token in enumerate(proposal):
+            position = first + offset
+            if not masked[position]:
+                if int(self.block[position]) != token:
+                    break
+                continue
+            if token == self.mask_id:
+                break
+            draft[position] = token
+            self.drafted[position] = True
+        self.draft = draft
+        inputs = torch.cat([torch.tensor([self.last_token]), draft[:-1]])
+        if not bool(self.drafted.any()):
+            return inputs, self.drafted
+        # Input slot j holds target j - 1: from the first drafted input on, the block is read causally.
+        return inputs, torch.arange(size) > int(self.drafted.nonzero()[0])
+
+    def eligible(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[block] targets whose prediction read only drafts the model confirmed: those up to the first
+        drafted target where the model's choice differs from the draft (all, without drafts). A target
+        reads only the drafts before it (step_inputs makes the drafted part of the block causal)."""
+        wrong = (self.drafted & (tokens != self.draft)).nonzero() if bool(self.drafted.any()) else None
+        if wrong is None or not len(wrong):
+            return torch.ones(len(self.block), dtype=torch.bool)
+        return torch.arange(len(self.block)) <= int(wrong[0])
+
+    def start_slots(self, vocab_size: int) -> None:
+        slots = self.request.slots
+        self.block_start_hidden = self.last_hidden
+        self.block = torch.tensor([self.mask_id if token is None else token for token in slots.layout])
+        self.block_steps = 0
+        self.initially_masked = len(slots.options)
+        self.allowed = torch.ones(len(self.block), vocab_size, dtype=torch.bool)
+        self.slot_positions = [i for i, token in enumerate(slots.layout) if token is None]
+        for position, options in zip(self.slot_positions, slots.options):
+            self.allowed[position] = False
+            self.allowed[position, options] = True
+
+    def fill_forced(self, start: int, keep_masked: int = 0) -> int:
+        """Under a constraint, write the grammar's forced tokens from position `start` on (the first masked
+        one); returns the position after them."""
+        constraint = self.request.constraint
+        if constraint is None:
+            return start
+        room = max(len(self.block) - keep_masked - start, 0)
+        for token in constraint.forced()[:room]:
+            self.block[start] = token
+            constraint.advance(token)
+            start += 1
+        return start
+
+    def last_step(self) -> bool:
+        """After this step the block's remaining masks are filled at once (max_steps)."""
+        return self.block_steps + 1 >= (self.params.max_steps or len(self.block))
+
+    def transfer_count(self) -> int:
+        """low_confidence: how many positions this step unmasks (the block's masks spread evenly over
+        its steps, the earlier steps taking the remainder)."""
+        steps = min(self.params.steps or len(self.block), self.initially_masked)
+        base, extra = divmod(self.initially_masked, steps)
+        return base + (1 if self.block_steps < extra else 0)

@@ -1,0 +1,141 @@
+"""`clover calibrate --model DIR`: fit the block-size head (cloverlm.decoding.calibration) on held-out
+prompts (disjoint from the evaluation seeds) by decoding them at every candidate size and regressing
+log(steps) on the hidden state (ridge, closed form), then judge auto against every fixed size on the
+evaluation prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from cloverlm import tasks
+from cloverlm.decoding.calibration import Calibration
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.params import AUTO, DecodeParams, Request, drafts_supported
+from cloverlm.errors import CloverError
+from cloverlm.model.cache import CloverCache
+from cloverlm.tokenizer import stop_token_ids
+from cloverlm.training.data import HELDOUT_SEED_BASE, encode_example
+
+CANDIDATE_SIZES = (1, 4, 8, 16, 32, 64)
+CALIBRATION_SEED_BASE = HELDOUT_SEED_BASE + 500_000  # held out from training, apart from evaluation seeds
+
+
+@torch.no_grad()
+def measure_forward_ms(model, sizes, context: int = 256, repeats: int = 7) -> list[float]:
+    """Median wall time of one denoising forward per block size at batch 1, against a short context."""
+    cache = CloverCache.empty(model.config)
+    ids = torch.randint(3, model.config.vocab_size, (1, context))
+    model.prefill(ids, [16] * (context // 16), cache)
+    timings = []
+    for size in sizes:
+        block = torch.full((1, size), model.config.mask_token_id)
+        model.decode(cache, step_ids=block)  # warm-up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model.decode(cache, step_ids=block)
+            samples.append((time.perf_counter() - start) * 1000)
+        timings.append(round(statistics.median(samples), 3))
+    return timings
+
+
+def calibration_prompts(tokenizer, count: int, seed_base: int, max_new_tokens: int) -> list[tuple[list[int], int, tasks.Example]]:
+    """(prompt ids, answer budget, example) spread over the task suite."""
+    names = tasks.SUITE
+    out = []
+    for i in range(count):
+        encoded = encode_example(tokenizer, tasks.generate(names[i % len(names)], seed_base + i))
+        budget = min(max_new_tokens, len(encoded.ids) - encoded.prompt_length + 8)
+        out.append((encoded.ids[: encoded.prompt_length], budget, encoded.example))
+    return out
+
+
+def fit_head(records_by_size: dict[int, list], hidden_size: int, ridge: float = 1.0):
+    """Ridge regression of log(steps) on [hidden, 1], one row of the head per size."""
+    weight = torch.zeros(len(records_by_size), hidden_size)
+    bias = torch.zeros(len(records_by_size))
+    fit = {}
+    for row, (size, records) in enumerate(records_by_size.items()):
+        records = [r for r in records if r.size == size]  # full blocks only (not a short last block)
+        if not records:
+            bias[row] = math.log(size)  # never observed: assume no parallelism
+            fit[size] = {"blocks": 0}
+            continue
+        x = torch.stack([r.hidden.float() for r in records])
+        x = torch.cat([x, torch.ones(len(records), 1)], dim=1)
+        y = torch.tensor([math.log(r.steps) for r in records])
+        penalty = ridge * torch.eye(x.shape[1])
+        penalty[-1, -1] = 0.0  # the intercept is not shrunk
+        solution = torch.linalg.solve(x.T @ x + penalty, x.T @ y)
+        weight[row], bias[row] = solution[:-1], solution[-1]
+        residual = y - x @ solution
+        fit[size] = {
+            "blocks": len(records),
+            "mean_steps": round(float(torch.tensor([r.steps for r in records], dtype=torch.float32).mean()), 3),
+            "rmse_log_steps": round(float(residual.pow(2).mean().sqrt()), 4),
+        }
+    return weight, bias, fit
+
+
+def decode_all(model, prompts, params_for, calibration=None, record: bool = False, desc: str = ""):
+    """Decode every prompt alone (batch 1, as latency is measured); returns completions and wall seconds."""
+    completions, seconds = [], 0.0
+    engine = Engine(model, max_batch_size=1, calibration=calibration, record_blocks=record)
+    for ids, budget, _ in tqdm(prompts, desc=desc, leave=False):
+        start = time.perf_counter()
+        [completion] = engine.generate([Request(ids, params_for(budget))])
+        seconds += time.perf_counter() - start
+        completions.append(completion)
+    return completions, seconds
+
+
+def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fit_prompts: int = 16, eval_prompts: int = 8,
+              max_new_tokens: int = 128, sizes=None, draft: bool | None = None):
+    """Fit the block-size head and judge it against every fixed size. Returns (Calibration, report).
+
+    draft: decode with prompt-lookup drafts, as the model will be served (default: where the model
+    supports them); the steps a block takes depend on it."""
+    if not 0 < threshold <= 1:
+        raise CloverError(f"threshold must be in (0, 1], got {threshold}")
+    draft = drafts_supported(model.config) if draft is None else draft
+    sizes = [s for s in (sizes or CANDIDATE_SIZES) if s <= model.config.max_block_size]
+    stops = stop_token_ids(tokenizer)
+
+    def params_for(size):
+        return lambda budget: DecodeParams(max_new_tokens=budget, block_size=size, threshold=threshold,
+                                           stop_token_ids=stops, draft=draft and size != 1)
+
+    fit_set = calibration_prompts(tokenizer, fit_prompts, CALIBRATION_SEED_BASE, max_new_tokens)
+    records = {}
+    for size in sizes:
+        completions, _ = decode_all(model, fit_set, params_for(size), record=True, desc=f"fit B={size}")
+        records[size] = [r for c in completions for r in c.block_records]
+    weight, bias, fit = fit_head(records, model.config.hidden_size)
+    # Forward cost depends on the context it attends to: measure it at the fit prompts' median length.
+    context = max(16, int(statistics.median(len(ids) for ids, _, _ in fit_set)) // 16 * 16)
+    calibration = Calibration(sizes, threshold, measure_forward_ms(model, sizes, context=context), weight, bias)
+
+    eval_set = calibration_prompts(tokenizer, eval_prompts, HELDOUT_SEED_BASE, max_new_tokens)
+    judged = []
+    for size in [*sizes, AUTO]:
+        completions, seconds = decode_all(model, eval_set, params_for(size), calibration, desc=f"judge {size}")
+        tokens = sum(len(c.tokens) for c in completions)
+        accuracy = statistics.mean(
+            tasks.get_task(example.task).check(example, tokenizer.decode(c.tokens))["exact"]
+            for c, (_, _, example) in zip(completions, eval_set)
+        )
+        judged.append(
+            {
+                "block_size": size,
+                "tpf": round(tokens / max(sum(c.forwards for c in completions), 1), 3),
+                "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+                "accuracy": round(accuracy, 4),
+            }
+        )
+    return calibration, {"fit": fit, "evaluation": judged, "draft": draft, "forward_context": context}
