@@ -5,7 +5,7 @@ VENV_STAMP := .venv/.installed
 # steps (models/README.md); `make demo PEER=base` shows the base zero-shot instead.
 PEER ?= models/smollm2-peer
 
-.PHONY: demo test test-all lint venv
+.PHONY: demo test test-slow test-all lint venv
 
 $(VENV_STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -22,11 +22,16 @@ venv: $(VENV_STAMP)
 demo: $(VENV_STAMP)
 	HF_HUB_OFFLINE=1 .venv/bin/clover demo --peer $(PEER)
 
+# test: the fast default (pyproject's addopts deselect `slow`: trainings, subprocesses, fuzzing, load);
+# test-slow: only those; test-all: both in one session.
 test: $(VENV_STAMP)
 	$(PY) -m pytest
+
+test-slow: $(VENV_STAMP)
+	$(PY) -m pytest -m slow
 
 test-all: $(VENV_STAMP)
 	$(PY) -m pytest -m "slow or not slow"
 
 lint: $(VENV_STAMP)
-	.venv/bin/ruff check src tests
+	.venv/bin/ruff check src tests scripts

@@ -6,7 +6,7 @@
 import json
 import sys
 
-from cloverlm.bench.run import RUNNER_LABELS, RUNNERS
+from cloverlm.bench.options import RUNNER_LABELS, RUNNERS
 
 
 def cell(entry: dict | None, field: str) -> str:

@@ -23,8 +23,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from cloverlm.model.config import preset_config
 from cloverlm.tasks import Example
 from cloverlm.tokenizer import load_tokenizer
-from cloverlm.training import train
+from cloverlm.training.archs import ARCHS
 from cloverlm.training.data import Batch, Mixture, encode_example
+from cloverlm.training.recipe import Stage, TrainConfig
 
 
 def copy_example(rng: random.Random, alphabet: str, lengths: tuple[int, int]) -> Example:
@@ -85,9 +86,9 @@ def main() -> None:
             "clover-tiny", vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         )  # fmt: skip
-        arch = train.ARCHS[args.arch]
+        arch = ARCHS[args.arch]
         model = arch.build(config)
-        cfg, stage = train.TrainConfig(seq_len=args.seq_len, batch_size=args.rows), train.Stage([1], 1.0, chat_mode=True)
+        cfg, stage = TrainConfig(seq_len=args.seq_len, batch_size=args.rows), Stage([1], 1.0, chat_mode=True)
 
         def loss_of(model, batch):
             step_loss = arch.loss(model, batch, stage, cfg, 0, slice(None))

@@ -248,9 +248,9 @@ def test_fla_two_stream_equals_decoding_path_bf16(monkeypatch):
         cache = CloverCache.empty(model.config, batch=2, device="cuda")
         start = 0
         for size in sizes:
-            step = model.forward_block(xt[:, start : start + size], cache, commit=False).float()
+            step = model.decode(cache, step_ids=xt[:, start : start + size]).float()
             assert relative_error(step, parallel[:, start : start + size]) < 3e-2
-            model.forward_block(x0[:, start : start + size], cache, commit=True)
+            model.decode(cache, commit_ids=x0[:, start : start + size])
             start += size
 
 

@@ -14,6 +14,13 @@ from rich.console import Console
 from cloverlm import CloverError, preset_config, tasks
 from cloverlm.cli import main
 from cloverlm.convert.peer import build_peer, peer_config
+from cloverlm.demo.messages import (
+    Messages,
+    answer_token_budget,
+    fit_prompt,
+    generated_messages,
+    read_messages,
+)
 from cloverlm.demo.plots import (
     SOURCE_COLORS,
     altitude_ft,
@@ -21,16 +28,7 @@ from cloverlm.demo.plots import (
     render_zone_map,
     zone_cylinder,
 )
-from cloverlm.demo.run import (
-    DecodeView,
-    Messages,
-    answer_token_budget,
-    demo,
-    fit_prompt,
-    generated_messages,
-    read_messages,
-    run_demo,
-)
+from cloverlm.demo.run import DecodeView, demo, run_demo
 from cloverlm.model.checkpoint import save_model
 from cloverlm.tasks.base import dumps
 from cloverlm.tasks.no_fly_zones import FIELDS, format_prompt, parse_zones, prompt_messages

@@ -38,7 +38,7 @@ REL = 1e-4
 
 def train(*command, out: Path, env=None, timeout=600):
     result = subprocess.run(
-        [*command, "-m", "cloverlm.training.train", "--out", str(out), *ARGS], capture_output=True, text=True, env=env,
+        [*command, "-m", "cloverlm", "train", "--out", str(out), *ARGS], capture_output=True, text=True, env=env,
         timeout=timeout, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -60,6 +60,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_take_the_steps_of_one(tmp_path, reference):
     out = tmp_path / "ddp"
     result = train(*TORCHRUN, out=out)
@@ -108,7 +109,7 @@ def _process_tree(pid: int) -> list[int]:
 def test_sharded_resume_after_sigkill_replays_the_same_losses(tmp_path, reference):
     """Killed under FSDP2 after two steps, resumed under DDP: DCP reshards, the steps replay exactly."""
     out = tmp_path / "killed"
-    command = [*TORCHRUN, "-m", "cloverlm.training.train", "--out", str(out), *ARGS, "--checkpoint-every", "1"]
+    command = [*TORCHRUN, "-m", "cloverlm", "train", "--out", str(out), *ARGS, "--checkpoint-every", "1"]
     process = subprocess.Popen(
         command, cwd=ROOT, env={**os.environ, "CLOVER_PARALLEL": "fsdp"},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -11,7 +11,7 @@ import torch
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.grammar import GrammarError, Grammars
 from cloverlm.decoding.params import DecodeParams, Request
-from cloverlm.serving.server import parse_tool_calls
+from cloverlm.serving.text import parse_tool_calls
 from cloverlm.tokenizer import stop_token_ids
 from conftest import tiny_model
 

@@ -31,9 +31,9 @@ def test_two_stream_equals_decoding_path(preset):
         cache = CloverCache.empty(model.config, batch=2)
         start = 0
         for size in SIZES:
-            step = model.forward_block(xt[:, start : start + size], cache, commit=False)
+            step = model.decode(cache, step_ids=xt[:, start : start + size])
             torch.testing.assert_close(step, parallel[:, start : start + size], atol=1e-4, rtol=1e-4)
-            model.forward_block(x0[:, start : start + size], cache, commit=True)
+            model.decode(cache, commit_ids=x0[:, start : start + size])
             start += size
     assert cache.lengths.tolist() == [sum(SIZES)] * 2
 
@@ -60,7 +60,7 @@ def test_prefill_equals_block_by_block_commits(model):
         sequential = CloverCache.empty(model.config, batch=2)
         start = 0
         for size in SIZES:
-            model.forward_block(x0[:, start : start + size], sequential, commit=True)
+            model.decode(sequential, commit_ids=x0[:, start : start + size])
             start += size
         parallel = CloverCache.empty(model.config, batch=2)
         model.prefill(x0, SIZES, parallel)
@@ -73,7 +73,7 @@ def test_prefill_equals_block_by_block_commits(model):
                     torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
         block = torch.full((2, 4), 2)
         torch.testing.assert_close(
-            model.forward_block(block, parallel, commit=False), model.forward_block(block, sequential, commit=False), atol=1e-5, rtol=1e-5
+            model.decode(parallel, step_ids=block), model.decode(sequential, step_ids=block), atol=1e-5, rtol=1e-5
         )
 
 
@@ -86,7 +86,7 @@ def test_masked_tokens_never_enter_the_cache(model):
             return [[None if t is None else t.clone() for t in (c.state, c.conv_tail, *c.cached_kv())] for c in cache.layers]
 
         before = history()
-        model.forward_block(torch.full((2, 8), 2), cache, commit=False)
+        model.decode(cache, step_ids=torch.full((2, 8), 2))
     assert cache.lengths.tolist() == [16, 16]
     # the step's keys may sit in an attention buffer's spare room, but what the cache holds is unchanged
     for old, new in zip(before, history()):
@@ -188,7 +188,14 @@ def test_bad_blocks_and_inputs(model):
     with pytest.raises(CloverError, match="token ids must be in 0..299"):
         model(torch.full((1, 4), 300))
     with pytest.raises(CloverError, match="block size 65 is above the model's limit of 64"):
-        model.forward_block(torch.randint(3, 300, (1, 65)), CloverCache.empty(model.config), commit=False)
+        model.decode(CloverCache.empty(model.config), step_ids=torch.randint(3, 300, (1, 65)))
+
+
+def test_keep_written_refuses_a_cache_with_memory_layers(model):
+    cache = CloverCache.empty(model.config)
+    with pytest.raises(CloverError, match="keep_written needs an all-attention cache: memory layers fold blocks in by commits"):
+        cache.keep_written(torch.tensor([1]))
+    assert cache.lengths.tolist() == [0]  # refused before anything moved
 
 
 @pytest.mark.parametrize("preset, total, active", [("clover-35b-a3b", 35e9, 3e9), ("clover-1b-a0.3b", 1e9, 0.3e9)])

@@ -168,6 +168,7 @@ def losses(run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in logged(run) if "loss" in r}
 
 
+@pytest.mark.slow
 def test_peer_trains_checkpoints_and_resumes_exactly(tmp_path, small_tokenizer, stdlib_tokenized_once, monkeypatch, capsys):
     from safetensors.torch import load_file
 
@@ -220,11 +221,9 @@ def test_unknown_arch_is_a_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err == "error: unknown arch 'gpt-2'; choose from: clover, qwen3.5-moe\n"
 
 
-def test_cli_generates_and_evaluates_from_a_peer_folder(tmp_path, small_tokenizer, capsys):
+def test_cli_generates_and_evaluates_from_a_peer_folder(tmp_path, tokenizer, capsys):
     from cloverlm.cli import main
-    from cloverlm.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(small_tokenizer)
     torch.manual_seed(0)
     model = build_peer(peer_config(preset_config("clover-tiny", **{**TINY, "vocab_size": len(tokenizer)}))).eval()
     save_peer(model, tokenizer, tmp_path / "peer")

@@ -19,10 +19,14 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from cloverlm.bench.serving import bench_load
-from cloverlm.cli import build_parser
+from cloverlm.cli import main
+from cloverlm.convert.peer import build_peer, peer_config, save_peer
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import DecodeParams, Request
-from cloverlm.serving.server import ServerConfig, background_server, create_app
+from cloverlm.model.checkpoint import save_model
+from cloverlm.serving.app import create_app
+from cloverlm.serving.background import background_server
+from cloverlm.serving.schemas import ServerConfig
 from cloverlm.tokenizer import load_tokenizer, stop_token_ids
 from conftest import tiny_model
 
@@ -298,9 +302,24 @@ def test_load_32_clients_x_10_requests(served):
     print(json.dumps(report, indent=1))
 
 
-def test_serve_command_line():
-    args = build_parser().parse_args(["serve", "--model", "m", "--api-key", "k"])
-    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, "k")
+def test_serve_builds_the_app_from_its_command_line(tmp_path, monkeypatch, capsys):
+    import uvicorn
+
+    ran = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: ran.update(app=app, host=host, port=port))
+    model, tokenizer, _ = _start()
+    save_model(model, tokenizer, tmp_path / "my-model")
+    main(["serve", "--model", str(tmp_path / "my-model"), "--api-key", "k", "--max-tokens", "64", "--block-size", "8",
+          "--threshold", "0.5"])  # fmt: skip
+    assert (ran["host"], ran["port"]) == ("127.0.0.1", 8000)  # loopback unless asked
+    assert ran["app"].state.server.config == ServerConfig(model_name="my-model", api_key="k", max_tokens=64, block_size=8, threshold=0.5)
+    torch.manual_seed(0)
+    save_peer(build_peer(peer_config(model.config)), tokenizer, tmp_path / "peer")
+    with pytest.raises(SystemExit) as raised:
+        main(["serve", "--model", str(tmp_path / "peer")])
+    assert raised.value.code == 2 and capsys.readouterr().err == (
+        f"error: clover serve serves Clover models only; {tmp_path / 'peer'} holds the autoregressive peer\n"
+    )
 
 
 # -- schemathesis: generated bad (and good) input against the OpenAPI document; nothing may answer 5xx --
@@ -314,12 +333,13 @@ def fuzzed():
         yield url
 
 
+@pytest.mark.parametrize("examples", [pytest.param(30, marks=pytest.mark.slow), 3])  # 3: a quick look in the default run
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/decisions"])
-def test_no_input_makes_the_server_fail(fuzzed, path, mode):
+def test_no_input_makes_the_server_fail(fuzzed, path, mode, examples):
     operation = schemathesis.openapi.from_url(fuzzed + "/openapi.json")[path]["POST"]
 
-    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(case=operation.as_strategy(mode))
     def check(case):
         if isinstance(case.body, dict):  # the served model, so that generated bodies get past the 404

@@ -5,8 +5,9 @@ import statistics
 
 import pytest
 
-from cloverlm.tasks import TASKS, Example, generate, get_task, parse_tool_call, parse_zones
+from cloverlm.tasks import TASKS, Example, generate, get_task, parse_zones
 from cloverlm.tasks.no_fly_zones import FIELDS
+from cloverlm.tokenizer import parse_tool_call
 
 SEEDS = range(200)
 GARBAGE = [

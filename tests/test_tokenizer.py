@@ -124,6 +124,7 @@ def test_round_trip_sample(tok, all_files):
     assert tok.batch_decode(ids) == texts
 
 
+@pytest.mark.slow  # the fast check is test_round_trip_sample
 def test_round_trip_every_stdlib_file(tok, all_files):
     train, val = all_files
     files = train + val

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from cloverlm import CloverError
+from cloverlm.cli import main
 from cloverlm.convert.load import load_model
 from cloverlm.model.checkpoint import save_model
 from cloverlm.model.layout import fixed_partition
@@ -130,27 +131,37 @@ def test_bad_checkpoints_get_one_line_errors(tmp_path, model):
 
 
 def clover(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "cloverlm.cli", *args], capture_output=True, text=True, **kwargs)
+    return subprocess.run([sys.executable, "-m", "cloverlm", *args], capture_output=True, text=True, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["generate", "   "], "error: empty prompt"),
-        (["generate", "--model", "/nonexistent/model", "hello"], "error: no model at /nonexistent/model"),
-        (["info", "clover-7b"], "error: unknown preset 'clover-7b'"),
-    ],
-)
-def test_cli_errors_are_one_line(args, message):
+CLI_ERRORS = [
+    (["generate", "   "], "error: empty prompt"),
+    (["generate", "--model", "/nonexistent/model", "hello"], "error: no model at /nonexistent/model"),
+    (["info", "clover-7b"], "error: unknown preset 'clover-7b'"),
+]
+
+
+@pytest.mark.parametrize("args, message", CLI_ERRORS)
+def test_cli_errors_are_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(args)
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith(message) and error.count("\n") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", CLI_ERRORS)
+def test_cli_errors_are_one_line_from_the_entry_point(args, message):
     result = clover(*args)
     assert result.returncode == 2
     assert result.stderr.strip() == result.stderr.strip().splitlines()[0]
     assert result.stderr.startswith(message)
 
 
-def test_info_json_reports_counts():
-    result = clover("info", "clover-35b-a3b", "--json")
-    info = json.loads(result.stdout)
+def test_info_json_reports_counts(capsys):
+    main(["info", "clover-35b-a3b", "--json"])
+    info = json.loads(capsys.readouterr().out)
     assert 33e9 < info["total_params"] < 37e9 and 2.85e9 < info["active_params"] < 3.15e9
 
 
@@ -163,13 +174,14 @@ TRAIN_ARGS = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_replays_the_same_losses(tmp_path, small_tokenizer):
     common = [*TRAIN_ARGS, "--tokenizer", str(small_tokenizer)]
     reference = clover("train", "--out", str(tmp_path / "ref"), *common, timeout=600)
     assert reference.returncode == 0, reference.stderr[-2000:]
     killed = tmp_path / "killed"
     process = subprocess.Popen(
-        [sys.executable, "-m", "cloverlm.cli", "train", "--out", str(killed), *common],
+        [sys.executable, "-m", "cloverlm", "train", "--out", str(killed), *common],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.time() + 300
@@ -186,6 +198,7 @@ def test_resume_after_sigkill_replays_the_same_losses(tmp_path, small_tokenizer)
     assert len(losses(killed)) == 7
 
 
+@pytest.mark.slow
 def test_minutes_budget_becomes_a_fixed_step_count(tmp_path, small_tokenizer):
     args = [a for a in TRAIN_ARGS if a not in ("--max-steps", "7")]
     result = clover("train", "--out", str(tmp_path / "run"), *args, "--minutes", "0.3", "--tokenizer", str(small_tokenizer), timeout=600)
@@ -197,6 +210,7 @@ def test_minutes_budget_becomes_a_fixed_step_count(tmp_path, small_tokenizer):
     assert steps == list(range(calibrated[0]["max_steps"]))  # the probe steps are not logged nor kept
 
 
+@pytest.mark.slow
 def test_init_from_starts_at_the_given_weights(tmp_path, small_tokenizer):
     from safetensors.torch import load_file
 

@@ -171,3 +171,16 @@ class StopStrings:
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
     """End of text and end of the assistant turn."""
     return (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+
+def parse_tool_call(text: str) -> dict | None:
+    """The first JSON object in `text` (the body of `<tool_call>...</tool_call>`, or a whole answer);
+    None if there is none or it does not parse. What follows the object is ignored. The server reads
+    calls with this and the tool_call task scores with it, so both agree on what a call is."""
+    start = text.find("{")
+    if start < 0:
+        return None
+    try:
+        return json.JSONDecoder().raw_decode(text, start)[0]
+    except (ValueError, RecursionError):
+        return None

@@ -28,7 +28,10 @@ from cloverlm import tasks
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.grammar import Grammars
 from cloverlm.decoding.params import DecodeParams, Request
-from cloverlm.serving.server import ServerConfig, background_server, create_app, parse_tool_calls
+from cloverlm.serving.app import create_app
+from cloverlm.serving.background import background_server
+from cloverlm.serving.schemas import ServerConfig
+from cloverlm.serving.text import parse_tool_calls
 from cloverlm.tokenizer import stop_token_ids
 from cloverlm.training.data import heldout_examples
 from cloverlm.training.evaluate import answer_budget

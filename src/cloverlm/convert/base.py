@@ -6,7 +6,7 @@ transformers' GGUF loader and caches the result as an ordinary safetensors folde
 Llama-family model onto a CloverConfig weight for weight: every layer a block-causal attention layer
 (no output gate, no q/k norm, committed tokens causal), a dense SwiGLU feed-forward, the base's head
 geometry, norm epsilon, rotary theta and tied embeddings. Under the shifted convention and at block
-size 1 the result is the base, token for token (invariant 7, tested).
+size 1 the result is the base, token for token (docs/design.md invariant 7, tested).
 
 Run: `clover convert --base smollm2-135m-instruct --out runs/smollm2-clover`.
 """

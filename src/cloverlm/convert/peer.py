@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from cloverlm.convert.adapter import adapter_objective, load_adapted
-from cloverlm.errors import CloverError
+from cloverlm.errors import CloverError, check_token_ids
 from cloverlm.model.checkpoint import (
     checked_weights,
     load_weights,
@@ -156,8 +156,7 @@ def peer_generate(
         raise CloverError("empty prompt: at least one token is needed")
     if max_new_tokens < 1:
         raise CloverError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if min(prompt_ids) < 0 or max(prompt_ids) >= model.config.vocab_size:
-        raise CloverError(f"token ids must be in 0..{model.config.vocab_size - 1}")
+    check_token_ids(prompt_ids, model.config.vocab_size)
     if prompt_lookup < 0:
         raise CloverError(f"prompt_lookup must be 0 (off) or a number of draft tokens, got {prompt_lookup}")
     lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}

@@ -43,7 +43,7 @@ import torch
 from cloverlm.decoding.params import AUTO, BlockRecord, Completion, Request, drafts_supported
 from cloverlm.decoding.row import DecodeRow
 from cloverlm.decoding.unmask import choose_tokens, greedy, threshold_accept
-from cloverlm.errors import CloverError
+from cloverlm.errors import CloverError, check_token_ids
 from cloverlm.model.cache import CloverCache
 from cloverlm.model.clover import CloverForBlockDiffusion
 from cloverlm.model.layout import fixed_partition
@@ -86,8 +86,7 @@ class Engine:
     def submit(self, request: Request) -> None:
         if not request.prompt_ids:
             raise CloverError("empty prompt: give at least one token")
-        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.config.vocab_size:
-            raise CloverError(f"prompt token ids must be in 0..{self.config.vocab_size - 1}")
+        check_token_ids(request.prompt_ids, self.config.vocab_size, "prompt token ids")
         if self.config.mask_token_id in request.prompt_ids:
             # a [MASK] in the prompt's leftover block would be "denoised" and overwrite the prompt
             raise CloverError(f"the prompt contains the mask token id {self.config.mask_token_id}; it is reserved for decoding")

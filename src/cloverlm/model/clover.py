@@ -5,9 +5,9 @@ Two ways to run the same weights:
 * `forward(input_ids, noisy_input_ids, block_sizes)`: the parallel two-stream training pass. The clean
   stream x_0 writes history (memory state, conv tails, keys and values); the noisy stream x_t of each
   block reads the history of the blocks before it and attends within its own block.
-* `forward_block(input_ids, cache, commit)`: one block against a `CloverCache`, as the decoder runs it.
-  With commit=False the block only reads history (a denoising step); with commit=True it is a clean
-  block that is folded into the cache.
+* `decode(cache, commit_ids=..., step_ids=...)`: blocks against a `CloverCache`, as the decoder runs
+  them. commit_ids is a clean block that is folded into the cache; step_ids only reads the history (a
+  denoising step) and gives its logits. `prefill` commits a whole prompt in one parallel pass.
 
 Both paths give the same noisy-stream logits (docs/design.md invariant 2, tested).
 """
@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import ModelOutput
 
-from cloverlm.errors import CloverError
+from cloverlm.errors import CloverError, check_token_ids
 from cloverlm.model.attention import CloverAttention
 from cloverlm.model.cache import CloverCache, DecodeBlock, LayerCache
 from cloverlm.model.config import MEMORY, CloverConfig
@@ -169,8 +169,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
     def _check_ids(self, ids):
         if ids.numel() == 0:
             raise CloverError("empty input: at least one token is needed")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise CloverError(f"token ids must be in 0..{self.config.vocab_size - 1}")
+        check_token_ids((int(ids.min()), int(ids.max())), self.config.vocab_size)  # the extremes: two host syncs
 
     def forward(
         self, input_ids, noisy_input_ids=None, block_sizes=None, logits_mask=None, noisy_blocks: NoisyBlocks | None = None,
@@ -271,13 +270,6 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         hidden = self.model.norm(parts[-1][0])
         logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits
-
-    def forward_block(self, input_ids, cache: CloverCache, commit: bool) -> torch.Tensor | None:
-        """Run one full block [B, n] against the cache: commit=True folds it in (returns None), else
-        returns its logits [B, n, V]."""
-        if commit:
-            return self.decode(cache, commit_ids=input_ids)
-        return self.decode(cache, step_ids=input_ids)
 
     def moe_blocks(self) -> list[CloverSparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, CloverSparseMoeBlock)]

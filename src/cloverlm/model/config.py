@@ -20,6 +20,9 @@ LAYER_TYPES = (MEMORY, ATTENTION)
 LAYER_TYPE_ALIASES = {"memory": MEMORY, "attention": ATTENTION}
 MLP_TYPES = ("moe", "dense")
 MEMORY_BLOCK_MIXING = ("attention", "delta")
+# The chunked kernels pack blocks into chunks of this many tokens; a block never spans two, so it bounds
+# the block size, and training rows are whole chunks.
+CHUNK_SIZE = 64
 
 
 class CloverConfig(PretrainedConfig):
@@ -158,8 +161,8 @@ class CloverConfig(PretrainedConfig):
             problems.append(f"partial_rotary_factor={self.partial_rotary_factor} must give an even rotary width in 2..head_dim")
         if self.memory_block_mixing not in MEMORY_BLOCK_MIXING:
             problems.append(f"memory_block_mixing={self.memory_block_mixing!r} is unknown (choose from {', '.join(MEMORY_BLOCK_MIXING)})")
-        if not 1 <= self.max_block_size <= 64:
-            problems.append(f"max_block_size={self.max_block_size} must be in 1..64")
+        if not 1 <= self.max_block_size <= CHUNK_SIZE:
+            problems.append(f"max_block_size={self.max_block_size} must be in 1..{CHUNK_SIZE}")
         for name in ("mask_token_id", "pad_token_id", "eos_token_id"):
             token = getattr(self, name)
             if token is not None and not 0 <= token < self.vocab_size:

@@ -9,9 +9,9 @@ from cloverlm.tasks.base import Example, Task
 from cloverlm.tasks.kv_retrieval import KVRetrieval
 from cloverlm.tasks.no_fly_zones import NoFlyZones, parse_zones
 from cloverlm.tasks.repeat import Repeat
-from cloverlm.tasks.tool_call import ToolCall, parse_tool_call
+from cloverlm.tasks.tool_call import ToolCall
 
-__all__ = ["SUITE", "TASKS", "Example", "Task", "generate", "get_task", "parse_tool_call", "parse_zones"]
+__all__ = ["SUITE", "TASKS", "Example", "Task", "generate", "get_task", "parse_zones"]
 
 TASKS: dict[str, Task] = {t.name: t for t in (NoFlyZones(), ToolCall(), KVRetrieval(), Arithmetic(), Repeat())}
 # The evaluation suite: the tasks a user asks for (repeat only trains the copying skill).

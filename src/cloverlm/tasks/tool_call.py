@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cloverlm.tasks.base import Example, dumps, mean, parse_json, same, spans_of
+from cloverlm.tasks.base import Example, dumps, mean, same, spans_of
+from cloverlm.tokenizer import parse_tool_call
 
 _CITIES = (
     "Zurich",
@@ -241,8 +242,3 @@ class ToolCall:
             "arguments": mean(same(args.get(k), v) for k, v in truth["arguments"].items()),
             "exact": float(wrapped and same(call, truth)),
         }
-
-
-def parse_tool_call(text: str) -> dict | None:
-    """The first JSON object in `text` (the body of `<tool_call>...</tool_call>`); None if there is none."""
-    return parse_json(text, "{")

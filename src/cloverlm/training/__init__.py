@@ -1,0 +1,2 @@
+"""Training: corpus and task data, the diffusion and conversion objectives, the two trainers (from scratch
+and conversion), held-out evaluation, the block-size head's fit, and torchrun data parallelism."""

@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from cloverlm.errors import CloverError
+from cloverlm.model.config import CHUNK_SIZE
 
 
-def sample_partition(length: int, sizes: list[int], generator: torch.Generator, chunk: int = 64) -> list[int]:
+def sample_partition(length: int, sizes: list[int], generator: torch.Generator, chunk: int = CHUNK_SIZE) -> list[int]:
     """A random partition of `length` into block sizes drawn uniformly from `sizes`.
 
     Blocks never straddle a multiple of `chunk`, so chunks stay full (the chunked kernels' best case).

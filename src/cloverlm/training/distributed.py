@@ -1,6 +1,6 @@
 """Data-parallel training with torch.distributed, one process per device, launched by torchrun.
 
-`torchrun --nproc-per-node N -m cloverlm.training.train ...` sets the environment this module reads. On CUDA
+`torchrun --nproc-per-node N -m cloverlm train ...` sets the environment this module reads. On CUDA
 the model is sharded with FSDP2 (`fully_shard`, nccl); on CPU it is replicated with DDP (gloo).
 `CLOVER_PARALLEL=fsdp|ddp` forces one (FSDP2 also runs on CPU, which is how its path is tested here).
 

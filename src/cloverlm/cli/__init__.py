@@ -1,0 +1,175 @@
+"""The `clover` command line: info, tokenizer, convert, train, generate, eval, calibrate, bench, demo, serve.
+
+This module holds the argument parser and main; the commands are make.py (info, tokenizer, train,
+convert) and use.py (the commands that run a model folder). They import their machinery inside the
+command functions, so that `clover --help` does not load it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cloverlm.cli.make import cmd_convert, cmd_info, cmd_tokenizer, cmd_train
+from cloverlm.cli.use import (
+    DEFAULT_MODEL,
+    DEFAULT_PEER,
+    cmd_bench,
+    cmd_calibrate,
+    cmd_demo,
+    cmd_eval,
+    cmd_generate,
+    cmd_serve,
+)
+from cloverlm.decoding.params import DecodeParams
+from cloverlm.errors import CloverError
+from cloverlm.tasks import SUITE
+
+
+def _block_size(value: str):
+    """--block-size: an integer, or "auto" (the model's calibration head picks each block's size)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion MoE language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="parameter counts of a preset (--plan N: memory per GPU on N GPUs)")
+    p.add_argument("preset")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plan", type=int, metavar="N_GPUS", help="per-GPU memory for FSDP training and expert-parallel serving")
+    p.add_argument("--seq-len", type=int, default=4096, help="--plan: training tokens per GPU per micro-batch")
+    p.add_argument("--context", type=int, default=32768, help="--plan: serving context per request, in tokens")
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="--plan: GPU memory for the requests-per-GPU figure")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("tokenizer", help="train the default byte-level BPE tokenizer")
+    p.add_argument("--out", required=True)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.set_defaults(func=cmd_tokenizer)
+
+    p = sub.add_parser("train", help="block-diffusion training")
+    p.add_argument("--preset", default="clover-tiny")
+    p.add_argument("--recipe", default="default", help="default (from scratch) or convert (LoRA over --base)")
+    p.add_argument("--base", default="smollm2-135m-instruct", help="--recipe convert: a packaged base or a model folder")
+    p.add_argument(
+        "--arch", default="clover",
+        help="clover; qwen3.5-moe: the same-size autoregressive peer on the same data; with --recipe convert, ar: the base fine-tuned autoregressively (the peer)",
+    )
+    p.add_argument("--out", required=True)
+    p.add_argument("--minutes", type=float)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (default: every 5 minutes)")
+    p.add_argument("--probe-examples", type=int)
+    p.add_argument("--tokenizer", help="a tokenizer folder (default: train the default one)")
+    p.add_argument("--init-from", help="start from this model folder's weights and tokenizer (fine-tuning)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--fp32", action="store_true", help="disable bf16 autocast")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("convert", help="a pretrained autoregressive base as a Clover model folder")
+    p.add_argument("--base", default="smollm2-135m-instruct", help="a packaged base (smollm2-135m-instruct), a Llama folder or a Qwen3.5-MoE folder")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("calibrate", help="fit the block-size head (block_size='auto') on held-out prompts")
+    p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL}); the calibration is saved into it")
+    p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
+    p.add_argument("--fit-prompts", type=int, default=16)
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.set_defaults(func=cmd_calibrate)
+
+    for name, func, helptext in (
+        ("generate", cmd_generate, "generate text from a prompt"),
+        ("eval", cmd_eval, "per-task accuracy on held-out prompts"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL})")
+        p.add_argument("--block-size", type=_block_size, default=DecodeParams.block_size, help="tokens per block, or 'auto' (calibrated)")
+        p.add_argument("--threshold", type=float, default=DecodeParams.threshold, help="confidence to unmask in parallel (1.0: one per step)")
+        p.set_defaults(func=func)
+        if name == "generate":
+            p.add_argument("prompt", nargs="?")
+            p.add_argument("--task", help="use a held-out prompt of this task generator and score the answer")
+            p.add_argument("--seed", type=int, default=0, help="which held-out prompt of --task")
+            p.add_argument("--max-new-tokens", type=int, default=256)
+            p.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
+            p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+            p.add_argument("--strategy", default="threshold", help="threshold (Fast-dLLM) or low_confidence (LLaDA)")
+            p.add_argument("--temperature", type=float, default=0.0)
+            p.add_argument("--sampling-seed", type=int, help="seed for sampling (temperature > 0)")
+        else:
+            p.add_argument("--tasks", nargs="+", default=list(SUITE))
+            p.add_argument("--n", type=int, default=20)
+            p.add_argument("--messages", type=int, help="air-traffic messages per no_fly_zones prompt (default 20)")
+            p.add_argument("--json")
+
+    p = sub.add_parser("bench", help="Clover against its autoregressive peer: accuracy, latency, context scaling")
+    p.add_argument("--model", help=f"Clover model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--peer", help=f"the autoregressive peer's folder (default: models/{DEFAULT_PEER})")
+    p.add_argument("--no-peer", action="store_true", help="Clover only; the peer's fields are null")
+    p.add_argument("--memory-model", help="memory-only model for context scaling (default: models/clover-tiny-memory)")
+    p.add_argument("--quick", action="store_true", help="under 3 minutes on a 2-core CPU: fewer prompts, 1 repeat, 1k and 4k")
+    p.add_argument("--json", default="runs/bench.json", help="the report; its plots go next to it (default: runs/bench.json)")
+    p.add_argument("--repeats", type=int, help="timed runs of each request (default: 3; --quick: 1)")
+    p.add_argument("--prompts", type=int, help="held-out prompts spread over the tasks (default: 49; --quick: 4)")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--block-size", type=int, default=DecodeParams.block_size)
+    p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
+    p.add_argument("--contexts", nargs="+", metavar="N", help="context lengths (default: 1k 4k 16k 64k)")
+    p.add_argument("--draft", action="store_true", help="Clover fills blocks with prompt-lookup drafts (all-attention models)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help='add llama.cpp on the base\'s GGUF as a peer (needs pip install -e ".[llama]")')
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="drone no-fly zones from air-traffic messages: Clover beside its peer, 3D map")
+    p.add_argument("--messages", help="a file of your own messages, one a line (default: 20 generated ones)")
+    p.add_argument("--model", help=f"Clover model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--peer", help=f"the autoregressive peer's folder, or 'base': the converted model's base, not fine-tuned (default: models/{DEFAULT_PEER}, skipped if absent)")
+    p.add_argument("--no-peer", action="store_true", help="Clover only")
+    p.add_argument("--json", help="also write the zones, wall times, TPF and scores here")
+    p.add_argument("--seed", type=int, default=0, help="which generated set of messages")
+    p.add_argument("--out", default="outputs", help="folder for no_fly_zones.png and denoising.png (default: outputs)")
+    p.add_argument("--block-size", type=int, default=DecodeParams.block_size)
+    p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, JSON schemas, tools)")
+    p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the folder's name)")
+    p.add_argument("--max-prompt-tokens", type=int, default=8192)
+    p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=_block_size, default=DecodeParams.block_size,
+                   help="the block size of requests that do not set one, or 'auto' (calibrated)")
+    p.add_argument("--threshold", type=float, default=DecodeParams.threshold, help="the unmasking threshold of requests that do not set one")
+    p.add_argument("--threads", type=int)
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (CloverError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None

@@ -1,0 +1,131 @@
+"""The `clover` commands that make a model: info (a preset's size and memory plan), tokenizer, train
+(from scratch, or --recipe convert: a LoRA adapter over a pretrained base) and convert."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cloverlm.errors import CloverError
+
+
+def _parse_overrides(pairs: list[str]) -> dict:
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise CloverError(f"--set expects key=value, got '{pair}'")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def cmd_info(args) -> None:
+    from cloverlm.model.config import human_count, parameter_counts, preset_config
+
+    config = preset_config(args.preset)
+    counts = parameter_counts(config)
+    layers = {kind: config.layer_types.count(kind) for kind in dict.fromkeys(config.layer_types)}
+    info = {
+        **counts,
+        "preset": args.preset,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "layer_types": layers,
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "vocab_size": config.vocab_size,
+    }
+    plan = None
+    if args.plan is not None:
+        from cloverlm.model.plan import format_plan, memory_plan
+
+        plan = memory_plan(config, args.plan, seq_len=args.seq_len, context=args.context, gpu_gib=args.gpu_gib)
+        info["plan"] = plan
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(f"{args.preset}: {human_count(counts['total_params'])} total, {human_count(counts['active_params'])} active")
+        for key, value in info.items():
+            if key != "plan":
+                print(f"  {key}: {value}")
+        if plan is not None:
+            print("\n".join(format_plan(plan)))
+
+
+def cmd_tokenizer(args) -> None:
+    from cloverlm.training.data import build_default_tokenizer
+
+    tokenizer = build_default_tokenizer(vocab_size=args.vocab_size)
+    tokenizer.save_pretrained(args.out)
+    print(f"tokenizer with {len(tokenizer)} tokens written to {args.out}")
+
+
+def cmd_train(args) -> None:
+    if args.recipe == "convert":
+        return _train_convert(args)
+    from cloverlm.training.recipe import TrainConfig
+    from cloverlm.training.train import Trainer
+
+    cfg = TrainConfig(
+        preset=args.preset,
+        recipe=args.recipe,
+        arch=args.arch,
+        out=args.out,
+        seed=args.seed,
+        max_steps=args.max_steps,
+        minutes=args.minutes,
+        tokenizer=args.tokenizer,
+        init_from=args.init_from,
+        overrides=_parse_overrides(args.set),
+        bf16=not args.fp32,
+    )
+    for name in ("seq_len", "batch_size", "lr", "eval_every", "checkpoint_every", "probe_examples"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(cfg, name, value)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from cloverlm.training import distributed
+
+    try:
+        summary = Trainer(cfg, resume=args.resume).run()
+        if distributed.is_main():
+            print(json.dumps(summary))
+    finally:
+        distributed.shutdown()
+
+
+def _train_convert(args) -> None:
+    """--recipe convert: a LoRA adapter over a converted pretrained base (training/convert.py)."""
+    import torch
+
+    from cloverlm.training.convert import ConvertConfig, ConvertTrainer
+
+    cfg = ConvertConfig(base=args.base, out=args.out, seed=args.seed, objective="ar" if args.arch == "ar" else "diffusion")
+    for name in ("max_steps", "minutes", "lr", "eval_every", "checkpoint_every"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(cfg, name, value)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(json.dumps(ConvertTrainer(cfg, resume=args.resume).run()))
+
+
+def cmd_convert(args) -> None:
+    """A pretrained base as an ordinary Clover model folder (before any fine-tuning: the base at B = 1)."""
+    from cloverlm.convert.base import converted
+    from cloverlm.convert.qwen import convert_qwen, is_qwen_folder
+    from cloverlm.model.checkpoint import save_model
+
+    if is_qwen_folder(args.base):  # a Qwen3.5-MoE folder has its own converter (convert/qwen.py)
+        convert_qwen(args.base, args.out)
+        print(f"{args.base} (Qwen3.5-MoE) converted into {args.out}")
+        return
+    model, tokenizer = converted(args.base)
+    save_model(model, tokenizer, Path(args.out))
+    print(f"{args.base} converted: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters in {args.out}")
