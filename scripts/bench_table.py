@@ -27,9 +27,12 @@ def main(path: str) -> None:
     for row in report["context_scaling"]:
         peer = None if row["peer_token_ms"] is None else round(row["peer_token_ms"] * row["block_tokens"], 1)
         print(f"| {row['context']} | {row['clover_block_ms']} | {peer} | {row['speedup']} |")
-    print("\n| block size | TPF | accuracy |\n|---|---|---|")
-    for row in report["block_sizes"]:
-        print(f"| {row['block_size']} | {row['tpf']} | {row['accuracy']} |")
+    # reports before the threshold sweep have neither the section nor the sweeps' threshold and tokens/s
+    sweeps = report["block_sizes"] + report.get("thresholds", [])
+    print("\n| block size | threshold | TPF | tokens/s (batch) | accuracy |\n|---|---|---|---|---|")
+    for row in sweeps:
+        threshold = row.get("threshold", report["meta"]["threshold"])
+        print(f"| {row['block_size']} | {threshold} | {row['tpf']} | {row.get('tokens_per_s')} | {row['accuracy']} |")
 
 
 if __name__ == "__main__":
