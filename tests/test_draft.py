@@ -51,6 +51,18 @@ def test_a_position_never_reads_a_draft_after_it():
     assert not torch.equal(outputs[0][0, 3:], outputs[1][0, 3:])
 
 
+def test_one_token_blocks_take_no_draft(monkeypatch):
+    """At block size 1 draft=True is the plain path: no lookup is built, no step reads a draft (callers
+    pass their draft setting at every block size and rely on this)."""
+    model = all_attention()
+    repeating = prompt(12, 3) * 3  # every n-gram recurs: a lookup would always propose
+    requests = lambda draft: [Request(repeating, DecodeParams(max_new_tokens=12, block_size=1, draft=draft))]
+    plain = Engine(model).generate(requests(False))
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, suffix, length: pytest.fail("a one-token block asked for a draft"))
+    drafted = Engine(model).generate(requests(True))
+    assert [(c.tokens, c.forwards) for c in drafted] == [(c.tokens, c.forwards) for c in plain]
+
+
 def test_drafts_that_never_match_decode_as_plain(monkeypatch):
     """With the lookup finding nothing, draft=True takes exactly the plain path (tokens and forwards)."""
     model = all_attention()

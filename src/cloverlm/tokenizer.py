@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizer and ChatML chat template.
+"""Byte-level BPE tokenizer, ChatML chat template, and reading JSON answers and tool calls out of model text.
 
 Byte-level BPE over the full 256-byte alphabet, so ``decode(encode(text)) == text`` for every
 string. Numbers are cut into groups of up to three digits from the left (as in Llama 3 and Qwen), and
@@ -173,14 +173,24 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
     return (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
 
 
-def parse_tool_call(text: str) -> dict | None:
-    """The first JSON object in `text` (the body of `<tool_call>...</tool_call>`, or a whole answer);
-    None if there is none or it does not parse. What follows the object is ignored. The server reads
-    calls with this and the tool_call task scores with it, so both agree on what a call is."""
-    start = text.find("{")
+_DECODER = json.JSONDecoder()
+
+
+def parse_json(text: str, opener: str | None = None) -> Any:
+    """The JSON value starting at the first `opener` ("[" or "{") in `text`, or at its first non-blank
+    character without one; None if there is none or it does not parse. Text after the value is ignored so
+    an answer followed by chatter still scores."""
+    start = text.find(opener) if opener else len(text) - len(text.lstrip())
     if start < 0:
         return None
     try:
-        return json.JSONDecoder().raw_decode(text, start)[0]
+        return _DECODER.raw_decode(text, start)[0]
     except (ValueError, RecursionError):
         return None
+
+
+def parse_tool_call(text: str) -> dict | None:
+    """The first JSON object in `text` (the body of `<tool_call>...</tool_call>`, or a whole answer);
+    None if there is none or it does not parse. The server reads calls with this and the tool_call task
+    scores with it, so both agree on what a call is."""
+    return parse_json(text, "{")

@@ -135,7 +135,7 @@ def clover_params(example: TokenizedExample, options: BenchOptions, tokenizer, b
         max_new_tokens=answer_budget(example),
         block_size=block_size,
         threshold=options.threshold,
-        draft=options.draft and block_size != 1,
+        draft=options.draft,
         stop_token_ids=stop_token_ids(tokenizer),
     )
 

@@ -33,7 +33,8 @@ class DecodeRow:
         self.allowed: torch.Tensor | None = None  # [block, V] under Slots: the tokens each position may take
         seed = self.params.seed if self.params.seed is not None else random.randrange(2**63)
         self.generator = torch.Generator().manual_seed(seed)
-        self.lookup = PromptLookup(request.prompt_ids) if self.params.draft else None
+        # no index where every block is one token: such a block reads no draft (step_inputs)
+        self.lookup = PromptLookup(request.prompt_ids) if self.params.draft and self.params.block_size != 1 else None
         self.drafted = torch.zeros(0, dtype=torch.bool)  # [block]: targets the current step reads as drafts
         self.draft = None  # [block] the drafted tokens (where drafted)
 
@@ -55,11 +56,13 @@ class DecodeRow:
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The inputs of the next step and which of them are drafts ([block] each). Without drafts these
         are block_inputs() and no draft. A draft runs from the first masked target on and stops before
-        the first target already decided otherwise."""
+        the first target already decided otherwise. A one-token block reads no draft (its only input is
+        the committed token), so it gets none."""
         size = len(self.block)
         self.drafted = torch.zeros(size, dtype=torch.bool)
         masked = self.block == self.mask_id
-        if self.lookup is None or self.request.constraint is not None or self.allowed is not None or not bool(masked.any()):
+        if (self.lookup is None or size == 1 or self.request.constraint is not None or self.allowed is not None
+                or not bool(masked.any())):
             return self.block_inputs(), self.drafted
         first = int(masked.nonzero()[0])
         proposal = self.lookup.propose(self.block[:first].tolist(), size - first)

@@ -252,7 +252,7 @@ def run_demo(
         _writable_dir(Path(json_path).parent)
     # Drafts where the model allows them: on extraction they keep block decoding as accurate as one
     # token a step (models/README.md).
-    draft = drafts_supported(clover_model.config) and block_size != 1
+    draft = drafts_supported(clover_model.config)
     params = DecodeParams(block_size=block_size, threshold=threshold, draft=draft)
     params.validate(clover_model.config.max_block_size)  # before the long prompt is tokenized
 

@@ -6,7 +6,8 @@ Answers are computed rather than copied, so these examples carry no value spans.
 import operator
 import random
 
-from cloverlm.tasks.base import Example, dumps, parse_json, same
+from cloverlm.tasks.base import Example, dumps, same
+from cloverlm.tokenizer import parse_json
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 

@@ -41,22 +41,6 @@ def mean(flags: Iterable[bool]) -> float:
     return sum(flags) / len(flags) if flags else 0.0
 
 
-_DECODER = json.JSONDecoder()
-
-
-def parse_json(text: str, opener: str | None = None) -> Any:
-    """The JSON value starting at the first `opener` ("[" or "{") in `text`, or at its first non-blank
-    character without one; None if there is none or it does not parse. Text after the value is ignored so
-    an answer followed by chatter still scores."""
-    start = text.find(opener) if opener else len(text) - len(text.lstrip())
-    if start < 0:
-        return None
-    try:
-        return _DECODER.raw_decode(text, start)[0]
-    except (ValueError, RecursionError):
-        return None
-
-
 def spans_of(answer: str, values: Iterable[str]) -> tuple[tuple[int, int], ...]:
     """Spans of `values` (given in answer order) in `answer`. Each is searched after the previous one so
     that a short value like "2" lands on its own occurrence rather than inside an earlier value."""

@@ -2,7 +2,8 @@
 
 import random
 
-from cloverlm.tasks.base import Example, dumps, mean, parse_json, same, spans_of
+from cloverlm.tasks.base import Example, dumps, mean, same, spans_of
+from cloverlm.tokenizer import parse_json
 
 WORDS = (
     "amber",

@@ -9,7 +9,8 @@ altitudes, even lifted or cancelled drone restrictions) so that matching on shap
 import random
 from typing import Any
 
-from cloverlm.tasks.base import Example, dumps, mean, parse_json, same, spans_of
+from cloverlm.tasks.base import Example, dumps, mean, same, spans_of
+from cloverlm.tokenizer import parse_json
 
 FIELDS = ("id", "lat", "lon", "radius", "unit", "lower", "upper", "start", "end")
 _NUMERIC = ("lat", "lon", "radius")

@@ -8,8 +8,9 @@ answer value is a copy and the checker scores each item.
 
 import random
 
-from cloverlm.tasks.base import Example, dumps, mean, parse_json, same, spans_of
+from cloverlm.tasks.base import Example, dumps, mean, same, spans_of
 from cloverlm.tasks.kv_retrieval import WORDS
+from cloverlm.tokenizer import parse_json
 
 
 def _value(rng: random.Random) -> str:

@@ -19,6 +19,7 @@ from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import AUTO, DecodeParams, Request, drafts_supported
 from cloverlm.errors import CloverError
 from cloverlm.model.cache import CloverCache
+from cloverlm.model.layout import fixed_partition
 from cloverlm.tokenizer import stop_token_ids
 from cloverlm.training.data import HELDOUT_SEED_BASE, encode_example
 
@@ -28,10 +29,11 @@ CALIBRATION_SEED_BASE = HELDOUT_SEED_BASE + 500_000  # held out from training, a
 
 @torch.no_grad()
 def measure_forward_ms(model, sizes, context: int = 256, repeats: int = 7) -> list[float]:
-    """Median wall time of one denoising forward per block size at batch 1, against a short context."""
+    """Median wall time of one denoising forward per block size at batch 1, behind `context` tokens
+    prefilled as the engine prefills for block_size="auto"."""
     cache = CloverCache.empty(model.config)
     ids = torch.randint(3, model.config.vocab_size, (1, context))
-    model.prefill(ids, [16] * (context // 16), cache)
+    model.prefill(ids, fixed_partition(context, Calibration.prefill_block_size), cache)
     timings = []
     for size in sizes:
         block = torch.full((1, size), model.config.mask_token_id)
@@ -109,7 +111,7 @@ def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fi
 
     def params_for(size):
         return lambda budget: DecodeParams(max_new_tokens=budget, block_size=size, threshold=threshold,
-                                           stop_token_ids=stops, draft=draft and size != 1)
+                                           stop_token_ids=stops, draft=draft)
 
     fit_set = calibration_prompts(tokenizer, fit_prompts, CALIBRATION_SEED_BASE, max_new_tokens)
     records = {}
@@ -118,7 +120,7 @@ def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fi
         records[size] = [r for c in completions for r in c.block_records]
     weight, bias, fit = fit_head(records, model.config.hidden_size)
     # Forward cost depends on the context it attends to: measure it at the fit prompts' median length.
-    context = max(16, int(statistics.median(len(ids) for ids, _, _ in fit_set)) // 16 * 16)
+    context = int(statistics.median(len(ids) for ids, _, _ in fit_set))
     calibration = Calibration(sizes, threshold, measure_forward_ms(model, sizes, context=context), weight, bias)
 
     eval_set = calibration_prompts(tokenizer, eval_prompts, HELDOUT_SEED_BASE, max_new_tokens)
