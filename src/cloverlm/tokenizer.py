@@ -18,6 +18,8 @@ from typing import Any
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from cloverlm.errors import CloverError
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 MASK_TOKEN = "[MASK]"
@@ -168,9 +170,47 @@ class StopStrings:
         return low
 
 
+# A one-turn conversation rendered to find the chat's control tokens; the reply is text no template
+# writes by itself, so the text after its last occurrence is what closes the assistant turn.
+_PROBE_REPLY = "Hello."
+_PROBE = ({"role": "user", "content": "Hi."}, {"role": "assistant", "content": _PROBE_REPLY})
+
+
+def _chat_tokens(tokenizer) -> tuple[int, set[int]]:
+    """(the end-of-turn id, every special token id the template writes in a conversation)."""
+    # The package's template where the tokenizer has none, as load_tokenizer gives it.
+    template = tokenizer.chat_template or chat_template()
+    text = tokenizer.apply_chat_template(list(_PROBE), chat_template=template, tokenize=False, add_generation_prompt=True)
+    special = tokenizer.added_tokens_decoder
+    after = text[text.rfind(_PROBE_REPLY) + len(_PROBE_REPLY) :] if _PROBE_REPLY in text else ""
+    first = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+    # A token of the vocabulary's own (not ordinary text that happens to spell <|im_end|>) that the
+    # template writes whole: a base without ChatML tokens would otherwise "end" turns on a '<' piece.
+    if not first or first[0] not in special or not after.startswith(special[first[0]].content):
+        raise CloverError(
+            f"no end-of-turn token: the chat template does not close an assistant turn with a single special token "
+            f"(a ChatML vocabulary has {IM_START} and {IM_END})"
+        )
+    written = {i for i in tokenizer(text, add_special_tokens=False)["input_ids"] if i in special}
+    return first[0], written
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The token that ends an assistant turn, and so every answer: the one the chat template writes right
+    after an assistant message. Read from the template and the vocabulary, never from the tokenizer's
+    eos, which a GGUF can get wrong (transformers 5.17 reads SmolLM2's as <|im_start|>)."""
+    return _chat_tokens(tokenizer)[0]
+
+
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
-    """End of text and end of the assistant turn."""
-    return (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    """The end of text (when it is one) and the end of the assistant turn."""
+    end, written = _chat_tokens(tokenizer)
+    eos = tokenizer.eos_token_id
+    # An eos the template writes inside a conversation frames turns (a misread <|im_start|>), it does not
+    # end text: as a stop, a finished grammar could end on it and slot layouts could not hold it.
+    if eos is None or eos == end or eos in written or eos not in tokenizer.added_tokens_decoder:
+        return (end,)
+    return (eos, end)
 
 
 _DECODER = json.JSONDecoder()

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from cloverlm.errors import CloverError
 from cloverlm.model.config import ATTENTION, CloverConfig
-from cloverlm.tokenizer import chat_template
+from cloverlm.tokenizer import IM_END, IM_START, chat_template, end_of_turn_id
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ DEFAULT_BASE = "smollm2-135m-instruct"
 # trained during conversion). SmolLM2 reserves <reponame> beside <repo_name> for code data; using it
 # keeps the vocabulary, the tied head and the GGUF file's shapes unchanged.
 MASK_TOKENS = ("<reponame>",)
-CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHAT_TOKENS = (IM_START, IM_END)
 GGUF_MAGIC = b"GGUF"
 
 
@@ -107,14 +107,18 @@ def base_folder(name_or_path: str) -> Path:
 
 
 def check_tokenizer(tokenizer) -> int:
-    """The chat tokens must be single special tokens and the end of turn the end of text; returns the mask id."""
+    """The chat tokens must be single special tokens and the end of turn the end of text (`repair_eos`
+    makes it so at load time); returns the mask id."""
     vocab = tokenizer.get_vocab()
     for token in CHAT_TOKENS:
         ids = tokenizer(token, add_special_tokens=False)["input_ids"]
         if ids != [vocab.get(token)]:
             raise CloverError(f"the base tokenizer does not encode {token} as one token (got {ids})")
-    if tokenizer.eos_token != "<|im_end|>":
-        raise CloverError(f"the base's end of text is {tokenizer.eos_token!r}, expected <|im_end|> (a ChatML base)")
+    end = tokenizer.convert_ids_to_tokens(end_of_turn_id(tokenizer))
+    if end != IM_END:
+        raise CloverError(f"the chat template ends a turn with {end!r}, expected {IM_END} (a ChatML base)")
+    if tokenizer.eos_token != end:
+        raise CloverError(f"the base's end of text is {tokenizer.eos_token!r}, expected {end} (load it with load_base)")
     for token in MASK_TOKENS:
         if token in vocab and tokenizer(token, add_special_tokens=False)["input_ids"] == [vocab[token]]:
             return vocab[token]
@@ -202,14 +206,29 @@ def convert(base_model, tokenizer):
     return model, tokenizer
 
 
+def repair_eos(tokenizer, model=None) -> None:
+    """Make the end of turn the end of text of the tokenizer (and of the model's config and generation
+    config, when given). transformers' GGUF reader does not agree across 5.x on SmolLM2's eos (5.17
+    reads <|im_start|>); repaired where the base is loaded, every saved tokenizer_config.json, the
+    Clover config and the peer's generate see the chat's real end."""
+    end = end_of_turn_id(tokenizer)
+    if tokenizer.eos_token_id != end:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(end)
+    for config in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        if config is not None and config.eos_token_id != end:
+            config.eos_token_id = end
+
+
 def load_base(name_or_path: str = DEFAULT_BASE, dtype=torch.float32):
-    """The base as transformers' causal LM and its tokenizer (with cloverlm's chat template)."""
+    """The base as transformers' causal LM and its tokenizer (with cloverlm's chat template and the end of
+    turn as its eos)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = base_folder(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokenizer.chat_template = chat_template()
+    repair_eos(tokenizer, model)
     return model, tokenizer
 
 
