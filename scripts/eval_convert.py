@@ -25,7 +25,7 @@ from cloverlm.convert.peer import load_peer
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.tokenizer import format_chat, load_tokenizer, stop_token_ids
-from cloverlm.training.convert import read_chat
+from cloverlm.training.convert_data import read_chat
 from cloverlm.training.evaluate import evaluate_tasks
 
 

@@ -100,36 +100,37 @@ def test_noisy_blocks_forward_equals_the_decoding_path(pair):
     _, model = pair
     generator = torch.Generator().manual_seed(3)
     segment = Segment(prompt=[1, 40, 41, 42, 43, 44, 45], answer=[50, 51, 52, 53, 54, 55, 56, 57, 58, 2])
-    batch = build_batch([segment], end_id=2, mask_id=MASK, generator=generator, sizes=(4, 8))
+    batch = build_batch([[segment]], end_id=2, mask_id=MASK, generator=generator, sizes=(4, 8))
     noisy = batch.noisy
-    assert len(noisy.block.unique()) % 2 == 0  # each answer block twice: the complementary pair
+    block, history_of, positions = noisy.block[0], noisy.history[0], noisy.positions[0]
+    assert len(block.unique()) % 2 == 0  # each answer block twice: the complementary pair
     every = torch.ones_like(noisy.input_ids, dtype=torch.bool)
     with torch.no_grad():
         train = model(batch.clean_ids, noisy_blocks=noisy, logits_mask=every).logits
-        for number in noisy.block.unique().tolist():
-            slots = (noisy.block == number).nonzero()[:, 0]
-            history = int(noisy.history[slots[0]])
+        for number in block.unique().tolist():
+            slots = (block == number).nonzero()[:, 0]
+            history = int(history_of[slots[0]])
             cache = CloverCache.empty(model.config, 1)
             model.prefill(batch.clean_ids[:, :history], [history], cache)
             step = model.decode(cache, step_ids=noisy.input_ids[:, slots])
-            assert int(noisy.positions[slots[0]]) == history  # slot 0 stands at the last committed position
+            assert int(positions[slots[0]]) == history  # slot 0 stands at the last committed position
             assert (step[0] - train[slots]).abs().max() < 1e-4
 
 
 def test_noisy_blocks_follow_the_shifted_convention():
     generator = torch.Generator().manual_seed(4)
     segment = Segment(prompt=[1, 40, 41], answer=[50, 51, 52, 2])
-    batch = build_batch([segment], end_id=2, mask_id=MASK, generator=generator, sizes=(4,))
+    batch = build_batch([[segment]], end_id=2, mask_id=MASK, generator=generator, sizes=(4,))
     ids = [1, 40, 41, 50, 51, 52, 2]
     for copy in range(2):  # the pair of complementary masks
         slots = slice(4 * copy, 4 * copy + 4)
-        inputs, targets = batch.noisy.input_ids[0, slots].tolist(), batch.targets[slots].tolist()
-        scored = batch.scored[slots].tolist()
+        inputs, targets = batch.noisy.input_ids[0, slots].tolist(), batch.targets[0, slots].tolist()
+        scored = batch.scored[0, slots].tolist()
         assert inputs[0] == 41 and targets == ids[3:]  # slot 0: the last prompt token; slot j predicts x_{s+j}
         assert all((inputs[j] == MASK) == scored[j - 1] for j in range(1, 4))  # a masked target is a masked input
         assert scored[3]  # the last target never appears inside the block
         assert inputs[1:] == [MASK if s else t for s, t in zip(scored[:3], ids[3:6])]
-    first, second = batch.scored[:3], batch.scored[4:7]
+    first, second = batch.scored[0, :3], batch.scored[0, 4:7]
     assert bool((first ^ second).all())  # complementary: every other target scored exactly once
     assert batch.answer_targets.tolist() == ids[3:]
 
@@ -137,7 +138,7 @@ def test_noisy_blocks_follow_the_shifted_convention():
 def test_conversion_loss_trains_the_mask_row_and_answers(pair):
     _, model = pair
     generator = torch.Generator().manual_seed(5)
-    batch = build_batch([Segment([1, 40, 41, 42], [50, 51, 2])], end_id=2, mask_id=MASK, generator=generator)
+    batch = build_batch([[Segment([1, 40, 41, 42], [50, 51, 2])]], end_id=2, mask_id=MASK, generator=generator)
     loss, stats = conversion_loss(model, batch)
     assert torch.isfinite(loss) and stats["ar_nll"] > 0 and stats["noisy_nll"] > 0
     loss.backward()
@@ -209,9 +210,9 @@ def test_incomplete_answers_are_trimmed_not_ended():
     """A distilled answer cut at its length limit is trimmed to whole blocks: no end token is taught."""
     generator = torch.Generator().manual_seed(7)
     segment = Segment(prompt=[1, 40, 41], answer=list(range(50, 61)), complete=False)  # 11 tokens
-    batch = build_batch([segment], end_id=2, mask_id=MASK, generator=generator, sizes=(4, 8))
+    batch = build_batch([[segment]], end_id=2, mask_id=MASK, generator=generator, sizes=(4, 8))
     assert batch.answer_targets.tolist() == list(range(50, 58))  # 8 of 11: whole blocks only
-    assert 2 not in batch.targets.tolist()
+    assert 2 not in batch.targets[0].tolist()
 
 
 def test_the_packaged_base_converts_exactly():

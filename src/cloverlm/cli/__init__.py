@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="block-diffusion training")
     p.add_argument("--preset", default="clover-tiny")
-    p.add_argument("--recipe", default="default", help="default (from scratch) or convert (LoRA over --base)")
+    p.add_argument("--recipe", default="default", choices=("default", "convert", "distill"),
+                   help="default (from scratch), convert (LoRA over --base) or distill (an adapter's own right answers)")
     p.add_argument("--base", default="smollm2-135m-instruct", help="--recipe convert: a packaged base or a model folder")
     p.add_argument(
         "--arch", default="clover",
@@ -77,6 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--threads", type=int)
     p.add_argument("--fp32", action="store_true", help="disable bf16 autocast")
+    g = p.add_argument_group("--recipe convert and distill")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto: cuda when available (bf16 autocast there)")
+    g.add_argument("--tokens-per-step", type=int, help="clean tokens packed into each row")
+    g.add_argument("--rows-per-step", type=int, help="packed rows per step (default 1)")
+    g.add_argument("--pad-multiple", type=int, help="pad rows to a multiple of this (default: 256 on CUDA, none on CPU)")
+    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--init-adapter", help="start from this adapter folder (fresh optimizer and warm-up)")
+    g.add_argument("--certainty-weight", type=float, help="certainty forcing on right noisy predictions (distill: 0.5)")
+    g.add_argument("--trajectories", type=int, default=256, help="--recipe distill: prompts answered one token a step")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("convert", help="a pretrained autoregressive base as a Clover model folder")

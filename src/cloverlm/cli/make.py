@@ -64,7 +64,7 @@ def cmd_tokenizer(args) -> None:
 
 
 def cmd_train(args) -> None:
-    if args.recipe == "convert":
+    if args.recipe in ("convert", "distill"):
         return _train_convert(args)
     from cloverlm.training.recipe import TrainConfig
     from cloverlm.training.train import Trainer
@@ -101,19 +101,50 @@ def cmd_train(args) -> None:
 
 
 def _train_convert(args) -> None:
-    """--recipe convert: a LoRA adapter over a converted pretrained base (training/convert.py)."""
+    """--recipe convert: a LoRA adapter over a converted pretrained base (training/convert.py); --recipe
+    distill: the model's own right answers first (training/distill.py), then training on them."""
     import torch
 
     from cloverlm.training.convert import ConvertConfig, ConvertTrainer
 
-    cfg = ConvertConfig(base=args.base, out=args.out, seed=args.seed, objective="ar" if args.arch == "ar" else "diffusion")
-    for name in ("max_steps", "minutes", "lr", "eval_every", "checkpoint_every"):
-        value = getattr(args, name)
-        if value is not None:
-            setattr(cfg, name, value)
     if args.threads:
         torch.set_num_threads(args.threads)
+    fields = {"base": args.base, "seed": args.seed, "objective": "ar" if args.arch == "ar" else "diffusion"}
+    for name in ("max_steps", "minutes", "lr", "eval_every", "checkpoint_every", "device", "tokens_per_step",
+                 "rows_per_step", "pad_multiple", "warmup_steps", "certainty_weight", "init_adapter"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None:
+            fields[name] = value
+    if args.compile:
+        fields["compile"] = True
+    if args.recipe == "distill":
+        cfg = _distill_trajectories(args, fields)
+    else:
+        cfg = ConvertConfig(out=args.out, **fields)
     print(json.dumps(ConvertTrainer(cfg, resume=args.resume).run()))
+
+
+def _distill_trajectories(args, fields):
+    """--recipe distill: append the init adapter's one-token-a-step answers to OUT/trajectories.jsonl
+    (resumable), then the distillation config."""
+    from cloverlm.convert.load import load_model
+    from cloverlm.model.checkpoint import inference_dtype
+    from cloverlm.tokenizer import load_tokenizer
+    from cloverlm.training.convert import ConvertConfig
+    from cloverlm.training.distill import TRAJECTORIES, distill_config, make_trajectories
+
+    if not args.init_adapter:
+        raise CloverError("--recipe distill needs --init-adapter DIR: the adapter whose own answers it distils")
+    if fields["objective"] != "diffusion":
+        raise CloverError("--recipe distill trains Clover adapters only (not --arch ar)")
+    cfg = distill_config(out=args.out, **fields)
+    model = load_model(Path(args.init_adapter), inference_dtype())
+    summary = make_trajectories(
+        model, load_tokenizer(Path(args.init_adapter)), Path(args.out) / TRAJECTORIES, args.trajectories,
+        ConvertConfig().mixture, seed=args.seed,
+    )  # fmt: skip
+    print(json.dumps({"trajectories": summary}))
+    return cfg
 
 
 def cmd_convert(args) -> None:

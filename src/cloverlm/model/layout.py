@@ -43,12 +43,13 @@ class BlockLayout:
 class NoisyBlocks:
     """The noisy stream as a list of block slots (docs/design.md section 7): slot i holds token ids[:, i] at
     position positions[i]; it sees the noisy slots of its own block (block[i]) bidirectionally and the
-    clean positions below history[i]. Blocks may repeat (complementary masks) and skip the prompt."""
+    clean positions below history[i]. Blocks may repeat (complementary masks) and skip the prompt.
+    positions, block and history are shared by the batch ([N]) or given per row ([B, N], packed rows)."""
 
     input_ids: torch.Tensor  # [B, N]
-    positions: torch.Tensor  # [N]
-    block: torch.Tensor  # [N]
-    history: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N] or [B, N]
+    block: torch.Tensor  # [N] or [B, N]
+    history: torch.Tensor  # [N] or [B, N]
 
     @classmethod
     def of_layout(cls, layout: BlockLayout, input_ids=None) -> NoisyBlocks:

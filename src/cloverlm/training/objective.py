@@ -12,7 +12,7 @@ comes for free. Answers are padded with end tokens to whole blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +36,21 @@ class Segment:
 
 @dataclass
 class ConversionBatch:
-    clean_ids: torch.Tensor  # [1, L-1]: the packed sequence but its last token
-    noisy: NoisyBlocks
-    targets: torch.Tensor  # [N] the token each noisy slot predicts
-    scored: torch.Tensor  # [N] bool
-    answer_mask: torch.Tensor  # [1, L-1] clean positions whose next token is an answer token
-    answer_targets: torch.Tensor  # [M]
+    """R packed rows, each padded to the same clean length L-1 and noisy length N. Padding is never scored
+    and never seen by a real position: clean padding follows the row's tokens (causal), and noisy padding
+    slots form a block of their own with no clean history."""
+
+    clean_ids: torch.Tensor  # [R, L-1]: each packed row except its last token
+    noisy: NoisyBlocks  # input_ids, positions, block, history: [R, N]
+    targets: torch.Tensor  # [R, N] the token each noisy slot predicts
+    scored: torch.Tensor  # [R, N] bool
+    answer_mask: torch.Tensor  # [R, L-1] clean positions whose next token is an answer token
+    answer_targets: torch.Tensor  # [M], row-major over answer_mask
+    clean_lengths: torch.Tensor  # [R] real clean positions of each row
+
+    def token_counts(self) -> dict[str, int]:
+        """Real (unpadded) tokens the forward computes: clean positions and noisy slots."""
+        return {"clean": int(self.clean_lengths.sum()), "noisy": int((self.noisy.block >= 0).sum())}
 
 
 def block_partition(length: int, sizes, generator: torch.Generator, overhang: bool = True) -> list[int]:
@@ -56,17 +65,24 @@ def block_partition(length: int, sizes, generator: torch.Generator, overhang: bo
     return partition
 
 
-def build_batch(
-    segments: list[Segment], end_id: int, mask_id: int, generator: torch.Generator, sizes=CONVERT_BLOCK_SIZES,
-    complementary: bool = True,
-) -> ConversionBatch:
-    """Pack segments into one sequence and draw the noisy answer blocks (deterministic given the generator)."""
+@dataclass
+class _Row:
+    """One packed row as lists, before padding."""
+
+    ids: list[int] = field(default_factory=list)
+    answer_flags: list[bool] = field(default_factory=list)
+    slot_ids: list[int] = field(default_factory=list)
+    slot_pos: list[int] = field(default_factory=list)
+    slot_block: list[int] = field(default_factory=list)
+    slot_history: list[int] = field(default_factory=list)
+    slot_target: list[int] = field(default_factory=list)
+    slot_scored: list[bool] = field(default_factory=list)
+
+
+def _pack_row(segments: list[Segment], end_id: int, mask_id: int, generator, sizes, complementary: bool) -> _Row:
     if not segments:
-        raise CloverError("a conversion batch needs at least one example")
-    ids: list[int] = []
-    slot_ids, slot_pos, slot_block, slot_history, slot_target, slot_scored = [], [], [], [], [], []
-    answer_flags: list[bool] = []
-    block_number = 0
+        raise CloverError("a conversion batch row needs at least one example")
+    row, block_number = _Row(), 0
     for segment in segments:
         if not segment.prompt or not segment.answer:
             raise CloverError("every example needs a non-empty prompt and answer")
@@ -76,10 +92,10 @@ def build_batch(
         else:
             answer = segment.answer[: len(segment.answer) // min(sizes) * min(sizes)]
             partition = block_partition(len(answer), sizes, generator, overhang=False)
-        start = len(ids) + len(segment.prompt)  # absolute position of the first answer token
-        ids += segment.prompt + answer
-        answer_flags += [False] * len(segment.prompt) + [True] * len(answer)
-        s = start
+        start = len(row.ids) + len(segment.prompt)  # absolute position of the first answer token
+        row.ids += segment.prompt + answer
+        row.answer_flags += [False] * len(segment.prompt) + [True] * len(answer)
+        ids, s = row.ids, start
         for size in partition:
             t = float(torch.rand((), generator=generator))
             masked = torch.rand(size, generator=generator) < t
@@ -87,27 +103,57 @@ def build_batch(
             for target_masked in copies:
                 target_masked = target_masked.clone()
                 target_masked[-1] = True  # the last target is never an input of its block
+                flags = target_masked.tolist()
                 for j in range(size):
-                    feeds_mask = j > 0 and bool(target_masked[j - 1])
-                    slot_ids.append(mask_id if feeds_mask else ids[s - 1 + j])
-                    slot_pos.append(s - 1 + j)
-                    slot_block.append(block_number)
-                    slot_history.append(s - 1)
-                    slot_target.append(ids[s + j])
-                    slot_scored.append(bool(target_masked[j]))
+                    row.slot_ids.append(mask_id if j > 0 and flags[j - 1] else ids[s - 1 + j])
+                row.slot_pos += range(s - 1, s - 1 + size)
+                row.slot_block += [block_number] * size
+                row.slot_history += [s - 1] * size
+                row.slot_target += ids[s : s + size]
+                row.slot_scored += flags
                 block_number += 1
             s += size
-    full = torch.tensor(ids)
-    tensor = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype)
+    return row
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """`length` rounded up to a multiple of `multiple`: a few fixed shapes, so that kernels plan once."""
+    return -(-length // multiple) * multiple
+
+
+def build_batch(
+    rows: list[list[Segment]], end_id: int, mask_id: int, generator: torch.Generator, sizes=CONVERT_BLOCK_SIZES,
+    complementary: bool = True, pad_multiple: int = 1,
+) -> ConversionBatch:
+    """Pack each row's segments into one sequence, draw the noisy answer blocks (deterministic given the
+    generator, row after row) and pad every row to a common clean and noisy length, each rounded up to
+    `pad_multiple`. Padding changes no loss: it is neither scored nor seen by a real position."""
+    if not rows:
+        raise CloverError("a conversion batch needs at least one row")
+    packed = [_pack_row(segments, end_id, mask_id, generator, sizes, complementary) for segments in rows]
+    clean_length = padded_length(max(len(r.ids) - 1 for r in packed), pad_multiple)
+    noisy_length = padded_length(max(len(r.slot_ids) for r in packed), pad_multiple)
+
+    def stack(values, length, fill, dtype=torch.long):
+        return torch.tensor([list(v) + [fill] * (length - len(v)) for v in values], dtype=dtype)
+
     # clean position p predicts ids[p + 1]: it is an answer position when ids[p + 1] is
-    answer_mask = tensor(answer_flags[1:], torch.bool)
+    clean_ids = stack([r.ids[:-1] for r in packed], clean_length, end_id)
+    answer_mask = stack([r.answer_flags[1:] for r in packed], clean_length, False, torch.bool)
+    next_ids = stack([r.ids[1:] for r in packed], clean_length, end_id)
     return ConversionBatch(
-        clean_ids=full[None, :-1],
-        noisy=NoisyBlocks(tensor(slot_ids)[None], tensor(slot_pos), tensor(slot_block), tensor(slot_history)),
-        targets=tensor(slot_target),
-        scored=tensor(slot_scored, torch.bool),
-        answer_mask=answer_mask[None],
-        answer_targets=full[1:][answer_mask],
+        clean_ids=clean_ids,
+        noisy=NoisyBlocks(
+            stack([r.slot_ids for r in packed], noisy_length, end_id),
+            stack([r.slot_pos for r in packed], noisy_length, 0),
+            stack([r.slot_block for r in packed], noisy_length, -1),  # padding: a block of its own
+            stack([r.slot_history for r in packed], noisy_length, 0),  # that sees no clean position
+        ),
+        targets=stack([r.slot_target for r in packed], noisy_length, end_id),
+        scored=stack([r.slot_scored for r in packed], noisy_length, False, torch.bool),
+        answer_mask=answer_mask,
+        answer_targets=next_ids[answer_mask],
+        clean_lengths=torch.tensor([len(r.ids) - 1 for r in packed]),
     )
 
 
@@ -119,27 +165,41 @@ def autoregressive_loss(model, batch: ConversionBatch):
     targets = batch.answer_targets.to(device)
     nll = F.cross_entropy(logits.float(), targets)
     stats = {"ar_nll": float(nll.detach()), "ar_acc": float((logits.argmax(-1) == targets).float().mean()),
-             "tokens": int(batch.clean_ids.shape[1])}  # fmt: skip
+             "tokens": batch.token_counts()["clean"]}  # fmt: skip
     return nll, stats
 
 
-def conversion_loss(model, batch: ConversionBatch):
-    """(loss, stats): cross-entropy at the scored noisy slots plus the clean stream's answer loss."""
+def conversion_loss(model, batch: ConversionBatch, certainty_weight: float = 0.0):
+    """(loss, stats): cross-entropy at the scored noisy slots plus the clean stream's answer loss.
+
+    certainty_weight > 0 adds certainty forcing (dParallel): the mean entropy of the noisy predictions
+    that are already right, so that the model grows confident where it is correct and the threshold rule
+    commits more tokens per step, without pushing it towards any other answer."""
     device = next(model.parameters()).device
-    noisy = batch.noisy
-    noisy = NoisyBlocks(*(t.to(device) for t in (noisy.input_ids, noisy.positions, noisy.block, noisy.history)))
+    noisy = NoisyBlocks(*(t.to(device) for t in (batch.noisy.input_ids, batch.noisy.positions, batch.noisy.block,
+                                                    batch.noisy.history)))  # fmt: skip
     out = model(
-        input_ids=batch.clean_ids.to(device), noisy_blocks=noisy, logits_mask=batch.scored[None].to(device),
+        input_ids=batch.clean_ids.to(device), noisy_blocks=noisy, logits_mask=batch.scored.to(device),
         clean_logits_mask=batch.answer_mask.to(device),
     )
     targets = batch.targets[batch.scored].to(device)
-    noisy_nll = F.cross_entropy(out.logits.float(), targets)
-    ar_nll = F.cross_entropy(out.clean_logits.float(), batch.answer_targets.to(device))
+    answer_targets = batch.answer_targets.to(device)
+    logits = out.logits.float()
+    noisy_nll = F.cross_entropy(logits, targets)
+    ar_nll = F.cross_entropy(out.clean_logits.float(), answer_targets)
+    right = logits.argmax(-1) == targets
+    counts = batch.token_counts()
     stats = {
         "noisy_nll": float(noisy_nll.detach()),
         "ar_nll": float(ar_nll.detach()),
-        "noisy_acc": float((out.logits.argmax(-1) == targets).float().mean()),
-        "ar_acc": float((out.clean_logits.argmax(-1) == batch.answer_targets.to(device)).float().mean()),
-        "tokens": int(batch.clean_ids.shape[1] + noisy.input_ids.shape[1]),
+        "noisy_acc": float(right.float().mean()),
+        "ar_acc": float((out.clean_logits.argmax(-1) == answer_targets).float().mean()),
+        "tokens": counts["clean"] + counts["noisy"],
     }
-    return noisy_nll + ar_nll, stats
+    loss = noisy_nll + ar_nll
+    if certainty_weight > 0:
+        log_probs = logits[right].log_softmax(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1).mean() if bool(right.any()) else logits.new_zeros(())
+        stats["certainty_entropy"] = float(entropy.detach())
+        loss = loss + certainty_weight * entropy
+    return loss, stats
