@@ -27,7 +27,7 @@ from cloverlm.training.evaluate import answer_budget
 TASK_NAMES = tasks.SUITE
 # The checker field a task is scored by; "exact" unless named here. A no_fly_zones answer lists many
 # zones: the share of zones exactly right separates models that an all-or-nothing "exact" does not.
-ACCURACY_FIELDS = {"no_fly_zones": "zone_exact_match"}
+ACCURACY_FIELDS = {"no_fly_zones": "zone_exact_match", "no_fly_zones_unseen": "zone_exact_match"}
 # Who the tasks section times, with their plot labels: Clover at the bench's block size, (d) Clover at
 # block size 1, (a) the AR peer with transformers' generate, (b) the same with prompt lookup, (c)
 # llama.cpp on the base's GGUF.

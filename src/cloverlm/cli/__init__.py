@@ -22,7 +22,7 @@ from cloverlm.cli.use import (
 )
 from cloverlm.decoding.params import DecodeParams
 from cloverlm.errors import CloverError
-from cloverlm.tasks import SUITE
+from cloverlm.tasks import HELD_OUT, SUITE
 
 
 def _block_size(value: str):
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--temperature", type=float, default=0.0)
             p.add_argument("--sampling-seed", type=int, help="seed for sampling (temperature > 0)")
         else:
-            p.add_argument("--tasks", nargs="+", default=list(SUITE))
+            p.add_argument("--tasks", nargs="+", default=[*SUITE, *HELD_OUT])
             p.add_argument("--n", type=int, default=20)
             p.add_argument("--messages", type=int, help="air-traffic messages per no_fly_zones prompt (default 20)")
             p.add_argument("--json")

@@ -132,7 +132,7 @@ def cmd_eval(args) -> None:
         raise CloverError(f"--messages must be at least 1, got {args.messages}")
     model, tokenizer = _load(args)
     folder = Path(args.model) if args.model else default_model_dir()
-    sizes = {} if args.messages is None else {"no_fly_zones": {"n_messages": args.messages}}
+    sizes = {} if args.messages is None else {name: {"n_messages": args.messages} for name in ("no_fly_zones", "no_fly_zones_unseen")}
     report = evaluate_tasks(
         model, tokenizer, args.tasks, args.n, block_size=args.block_size, threshold=args.threshold,
         calibration=load_calibration(folder) if _is_clover(model) else None, sizes=sizes,

@@ -3,13 +3,22 @@
 The prompt holds numbered NOTAM-like and free-text notices; the answer lists the active drone (UAS) zones
 as JSON. Every answer value is copied verbatim from its message, so the task is reading and extraction,
 not unit or number-format conversion. Distractors reuse the same vocabulary (ids, coordinates, radii,
-altitudes, even lifted or cancelled drone restrictions) so that matching on shape alone is not enough.
+altitudes, even lifted, cancelled, proposed or helicopter-only restrictions) so that matching on shape
+alone is not enough.
+
+Real notices vary in wording, abbreviations and field order, so the messages are written in many
+phrasings, split into two disjoint families (`no_fly_phrasings`): no_fly_zones, the training task, writes
+only the SEEN family; no_fly_zones_unseen writes only the UNSEEN one and is never trained on, so
+evaluating both tells reading the notices apart from remembering the generator's templates. For a given
+(seed, n_messages) both tasks draw the same ids, zone slots and values (a template is picked with one
+`rng.random()` whatever the family's size), so their scores compare like for like.
 """
 
 import random
 from typing import Any
 
 from cloverlm.tasks.base import Example, dumps, mean, same, spans_of
+from cloverlm.tasks.no_fly_phrasings import SEEN, Family
 from cloverlm.tokenizer import parse_json
 
 FIELDS = ("id", "lat", "lon", "radius", "unit", "lower", "upper", "start", "end")
@@ -31,33 +40,6 @@ _PLACES = (
 _LOWER = ("SFC", "SFC", "100FT", "200FT")
 _UPPER = ("400FT", "500FT", "1000FT", "1200FT", "2000FT", "3000FT")
 
-_ZONE_TEMPLATES = (
-    "{id} NOTAMN Q) {fir}/QRTCA A) {ad} B) {start} C) {end} E) UAS PROHIBITED WI {radius}{unit} OF "
-    "{lat}N {lon}E F) {lower} G) {upper}",
-    "{id} NOTAMN Q) {fir}/QRTCA A) {ad} B) {start} C) {end} E) NO DRONE FLT {radius}{unit} RADIUS "
-    "{lat}N {lon}E F) {lower} G) {upper}",
-    "Notice {id}: drones are not allowed within {radius} {unit} of {lat}N {lon}E, from {lower} to {upper}, "
-    "{start} to {end}.",
-    "{id}: no UAS flights in a radius of {radius} {unit} around {lat}N {lon}E between {lower} and {upper}, "
-    "valid {start} until {end}.",
-    "Drone ban {id} - {radius}{unit} around {lat}N {lon}E, {lower} to {upper}, from {start} to {end}.",
-)
-_DISTRACTOR_TEMPLATES = (
-    "{id} NOTAMN Q) {fir}/QMRLC A) {ad} B) {start} C) {end} E) RWY {rwy} CLSD DUE WIP",
-    "{id} NOTAMN Q) {fir}/QOBCE A) {ad} B) {start} C) {end} E) CRANE ERECTED AT {lat}N {lon}E "
-    "HGT {upper} AGL, LGTD",
-    "{id} NOTAMN Q) {fir}/QCAXX A) {ad} B) {start} C) {end} E) TWR FREQ {freq} WITHDRAWN, USE {freq2}",
-    "{id} NOTAMN Q) {fir}/QWPLW A) {ad} B) {start} C) {end} E) PJE WI {radius}{unit} OF {lat}N {lon}E "
-    "F) {lower} G) {upper}",
-    "{id} NOTAMC {old} Q) {fir}/QRTXX A) {ad} B) {start} E) UAS RESTRICTION WI {radius}{unit} OF "
-    "{lat}N {lon}E CANCELLED",
-    "{id} NOTAMN Q) {fir}/QICAS A) {ad} B) {start} C) {end} E) ILS RWY {rwy_end} U/S",
-    "Notice {id}: increased bird activity near {lat}N {lon}E from {lower} to {upper}, {start} to {end}.",
-    "Notice {id}: taxiway {twy} closed for works, {start} to {end}.",
-    "Notice {id}: the drone restriction within {radius} {unit} of {lat}N {lon}E has been lifted as of "
-    "{start}.",
-    "{id}: glider activity within {radius} {unit} of {lat}N {lon}E, {lower} to {upper}, {start} until {end}.",
-)
 INSTRUCTION = (
     "List the active drone no-fly zones in the messages above as a JSON list, in message order, "
     "each with keys id, lat, lon, radius, unit, lower, upper, start, end."
@@ -107,22 +89,31 @@ def _zone(fields: dict[str, str]) -> dict[str, Any]:
 
 
 class NoFlyZones:
-    name = "no_fly_zones"
+    """The task over one family of phrasings: SEEN for training (the default), UNSEEN held out."""
 
-    def generate(self, seed: int, n_messages: int = 20) -> Example:
+    def __init__(self, name: str = "no_fly_zones", family: Family = SEEN):
+        self.name = name
+        self.family = family
+
+    def compose(self, seed: int, n_messages: int = 20) -> list[tuple[str, dict[str, str], bool]]:
+        """(template, fields, is_zone) of each message, in prompt order: what `generate` writes."""
         rng = random.Random(seed)
         # One spare id is the target of NOTAMC cancellations: it never names a message in the prompt.
         ids = [f"{rng.choice('ABCDJMW')}{n}/26" for n in rng.sample(range(1000, 10000), n_messages + 1)]
         zone_slots = set(rng.sample(range(n_messages), rng.randint(1, min(5, n_messages))))
-        messages, zones, copied = [], [], []
+        out = []
         for i in range(n_messages):
             fields = _fields(rng, ids[i], ids[-1])
-            if i in zone_slots:
-                template = rng.choice(_ZONE_TEMPLATES)
+            pool = self.family.zones if i in zone_slots else self.family.distractors
+            out.append((pool[int(rng.random() * len(pool))], fields, i in zone_slots))
+        return out
+
+    def generate(self, seed: int, n_messages: int = 20) -> Example:
+        messages, zones, copied = [], [], []
+        for template, fields, is_zone in self.compose(seed, n_messages):
+            if is_zone:
                 zones.append(_zone(fields))
                 copied += [fields[k] for k in FIELDS]
-            else:
-                template = rng.choice(_DISTRACTOR_TEMPLATES)
             messages.append(template.format_map(fields))
         answer = dumps(zones)
         return Example(
