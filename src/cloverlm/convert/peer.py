@@ -5,6 +5,9 @@ Qwen3.5-MoE's, so the same-size next-token model is a field-by-field copy of a C
 trains with the same trainer and data (`clover train --arch qwen3.5-moe`), scored on the same
 positions, so the comparison isolates block diffusion against left-to-right decoding.
 
+`peer_generate` decodes free with transformers' generate; `peer_generate_constrained` decodes under the
+engine's grammar constraint, with forced tokens fed in one forward (jump-forward).
+
 On CPU transformers runs the peer on its pure-PyTorch fallbacks (chunked gated delta rule, causal
 conv1d). flash-linear-attention must not be installed there: it imports, then breaks those fallbacks.
 """
@@ -12,9 +15,11 @@ conv1d). flash-linear-attention must not be installed there: it imports, then br
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from cloverlm.convert.adapter import adapter_objective, load_adapted
@@ -27,6 +32,9 @@ from cloverlm.model.checkpoint import (
     stored_model_type,
 )
 from cloverlm.model.config import CloverConfig
+
+if TYPE_CHECKING:  # the type only: convert comes before decoding in the package's one-way flow
+    from cloverlm.decoding.params import Constraint
 
 PEER_ARCH = "qwen3.5-moe"  # the name `clover train --arch` takes
 
@@ -141,6 +149,14 @@ def copy_accuracy(model: Qwen3_5MoeForCausalLM, examples) -> float:
 # Decoding
 
 
+def _check_request(model, prompt_ids: list[int], max_new_tokens: int) -> None:
+    if not prompt_ids:
+        raise CloverError("empty prompt: at least one token is needed")
+    if max_new_tokens < 1:
+        raise CloverError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    check_token_ids(prompt_ids, model.config.vocab_size)
+
+
 @torch.no_grad()
 def peer_generate(
     model: Qwen3_5MoeForCausalLM,
@@ -152,11 +168,7 @@ def peer_generate(
     """Greedy decoding with transformers' generate and its cache; the new tokens, cut before the first stop id.
     prompt_lookup > 0 drafts that many tokens from the prompt's n-gram matches (transformers'
     prompt_lookup_num_tokens): the same greedy tokens, fewer forwards on extraction."""
-    if not prompt_ids:
-        raise CloverError("empty prompt: at least one token is needed")
-    if max_new_tokens < 1:
-        raise CloverError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    check_token_ids(prompt_ids, model.config.vocab_size)
+    _check_request(model, prompt_ids, max_new_tokens)
     if prompt_lookup < 0:
         raise CloverError(f"prompt_lookup must be 0 (off) or a number of draft tokens, got {prompt_lookup}")
     lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
@@ -178,3 +190,85 @@ def peer_generate(
     stops = set(stop_ids)
     end = next((i for i, token in enumerate(new_tokens) if token in stops), len(new_tokens))
     return new_tokens[:end]
+
+
+class ConstrainedOutput(NamedTuple):
+    tokens: list[int]  # the new tokens, cut before the stop
+    forwards: int  # calls of the model, the first of them reading the prompt
+    forced: int  # tokens the grammar fixed, taken without a choice of the model
+
+
+class _CachedReader:
+    """The peer's cache (attention keys and values; for Qwen3.5's linear layers their state) and how many
+    forwards have filled it."""
+
+    def __init__(self, model):
+        self.model, self.cache, self.forwards = model, DynamicCache(config=model.config), 0
+
+    def read(self, ids: list[int]) -> torch.Tensor:
+        """Append `ids` to the cache in one forward; the logits after the last of them."""
+        input_ids = torch.tensor([ids], device=self.model.device)
+        logits = self.model(input_ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
+        self.forwards += 1
+        return logits[0, -1].float().cpu()
+
+
+@torch.no_grad()
+def peer_generate_constrained(
+    model,
+    prompt_ids: list[int],
+    constraint: Constraint,
+    max_new_tokens: int = 256,
+    stop_ids: tuple[int, ...] = (),
+    jump_forward: bool = True,
+) -> ConstrainedOutput:
+    """Greedy decoding under a grammar: a `decoding.grammar.GrammarConstraint` (`Grammars.constraint`), the
+    constraint the engine decodes Clover under.
+
+    At a choice the grammar's mask is applied to the logits. Where the grammar fixes what comes next, the
+    tokens are taken without the model: its forced run (`constraint.forced()`, what the engine writes into
+    a block for free) or else the one token its mask allows; greedy would take the same. With
+    jump_forward every token the model has not read yet (the prompt, the last choice and the forced run
+    after it) goes into ONE forward on the KV cache, right before the next choice, as SGLang's
+    jump-forward decoding does; without, one forward per token (the plain baseline: the same tokens).
+    A grammar that has finished allows only its end tokens, which must be among `stop_ids`: the answer
+    ends there without a forward.
+    """
+    _check_request(model, prompt_ids, max_new_tokens)
+    if not stop_ids:
+        raise CloverError("constrained decoding needs stop_ids: the tokens a finished grammar ends on")
+    stops = sorted(set(stop_ids))
+    reader = _CachedReader(model)
+    unread = [list(prompt_ids)]  # what the model has not read, one entry per forward of the plain path
+    tokens: list[int] = []
+    forced = 0
+    while len(tokens) < max_new_tokens:
+        run = constraint.forced()
+        if not run:
+            allowed = constraint.allowed()
+            going_on = allowed.clone()
+            going_on[stops] = False
+            if not going_on.any():
+                break  # only an end token may follow: the answer is complete
+            if int(going_on.sum()) == 1 and not allowed[stops].any():
+                run = going_on.nonzero()[0].tolist()
+        if run:
+            run = run[: max_new_tokens - len(tokens)]
+            for token in run:
+                constraint.advance(token)
+            tokens += run
+            forced += len(run)
+            unread += [[token] for token in run]
+            continue
+        for ids in [[t for piece in unread for t in piece]] if jump_forward else unread:
+            logits = reader.read(ids)
+        unread = []
+        if logits.numel() != allowed.numel():
+            raise CloverError(f"the grammar has {allowed.numel()} tokens, the model {logits.numel()}")
+        token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        if token in stops:
+            break
+        constraint.advance(token)
+        tokens.append(token)
+        unread = [[token]]
+    return ConstrainedOutput(tokens, reader.forwards, forced)

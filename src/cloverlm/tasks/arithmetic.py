@@ -59,6 +59,10 @@ class Arithmetic:
             task=self.name, seed=seed, prompt=prompt, answer=dumps(result), truth=result, value_spans=()
         )
 
+    def answer_schema(self, example: Example) -> None:
+        """None: a computed number or list, nothing in it to force."""
+        return None
+
     def check(self, example: Example, output: str) -> dict[str, float]:
         pred = parse_json(output)
         return {"parsed": float(pred is not None), "exact": float(same(pred, example.truth))}

@@ -25,6 +25,12 @@ class Task(Protocol):
 
     def check(self, example: Example, output: str) -> dict[str, float]: ...
 
+    def answer_schema(self, example: Example) -> dict | None:
+        """The JSON schema every right answer to `example` satisfies, to decode under it
+        (`decoding.grammar.Grammars.json_schema`); None where the task publishes none: an answer that is
+        not one JSON value (tool_call: its grammar comes from `example.tools`) or no schema worth forcing."""
+        ...
+
 
 def dumps(obj: Any) -> str:
     """Compact JSON, the format of every answer."""

@@ -72,6 +72,10 @@ class DroneSlots:
         count = len(example.truth["allowed"])
         return [(f"Which zone does drone {d + 1} land in?", [str(z) for z in range(1, count + 1)]) for d in range(count)]
 
+    def answer_schema(self, example: Example) -> None:
+        """None: its answers are decided as slots (`questions`, `cloverlm.decoding.decisions`)."""
+        return None
+
     def check(self, example: Example, output: str) -> dict[str, float]:
         try:
             answers = json.loads(output)

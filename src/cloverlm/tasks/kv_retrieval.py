@@ -39,6 +39,11 @@ WORDS = (
 )
 
 
+QUESTION = "Give the values of these keys as a JSON object: "
+# A value is one of WORDS or six digits (`generate`); always a JSON string, never a number.
+_VALUE = {"type": "string", "pattern": "^([a-z]+|[0-9]{6})$"}
+
+
 class KVRetrieval:
     name = "kv_retrieval"
 
@@ -51,7 +56,7 @@ class KVRetrieval:
         queried = rng.sample(range(n_pairs), n_queries or rng.randint(1, min(3, n_pairs)))
         truth = {keys[i]: values[i] for i in queried}
         lines = [f"{k}: {v}" for k, v in zip(keys, values)]
-        question = f"Give the values of these keys as a JSON object: {', '.join(truth)}."
+        question = f"{QUESTION}{', '.join(truth)}."
         answer = dumps(truth)
         return Example(
             task=self.name,
@@ -61,6 +66,17 @@ class KVRetrieval:
             truth=truth,
             value_spans=spans_of(answer, [text for pair in truth.items() for text in pair]),
         )
+
+    def answer_schema(self, example: Example) -> dict:
+        """An object with exactly the keys the question names, in its order (read from the prompt, so the
+        schema tells nothing the question does not), each a string value."""
+        keys = example.prompt.rpartition("\n")[2].removeprefix(QUESTION).removesuffix(".").split(", ")
+        return {
+            "type": "object",
+            "properties": {key: dict(_VALUE) for key in keys},
+            "required": keys,
+            "additionalProperties": False,
+        }
 
     def check(self, example: Example, output: str) -> dict[str, float]:
         pred = parse_json(output, "{")

@@ -14,6 +14,7 @@ evaluating both tells reading the notices apart from remembering the generator's
 `rng.random()` whatever the family's size), so their scores compare like for like.
 """
 
+import copy
 import random
 from typing import Any
 
@@ -39,6 +40,31 @@ _PLACES = (
 )
 _LOWER = ("SFC", "SFC", "100FT", "200FT")
 _UPPER = ("400FT", "500FT", "1000FT", "1200FT", "2000FT", "3000FT")
+
+# The answer's JSON schema (issue 21): the keys in FIELDS order (the instruction's), all required and
+# nothing else, so a decoder under it writes every key, quote, comma and bracket without the model.
+# Patterns force what `compose` and `_fields` fix: a letter, four digits and "/26"; minutes of 2026;
+# SFC or whole feet (_LOWER, _UPPER). Numbers stay JSON numbers, bounded by the globe only: no
+# multipleOf for the four decimals, since jsonschema's float test rejects 47.1234 as a multiple of 0.0001.
+_FEET = "[1-9][0-9]{2,3}FT"
+_TIME = {"type": "string", "pattern": "^2026-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}Z$"}
+_VALUE_SCHEMAS = {
+    "id": {"type": "string", "pattern": "^[A-Z][0-9]{4}/26$"},
+    "lat": {"type": "number", "minimum": -90, "maximum": 90},
+    "lon": {"type": "number", "minimum": -180, "maximum": 180},
+    "radius": {"type": "number", "minimum": 0},
+    "unit": {"enum": ["NM", "KM"]},
+    "lower": {"type": "string", "pattern": f"^(SFC|{_FEET})$"},
+    "upper": {"type": "string", "pattern": f"^{_FEET}$"},
+    "start": _TIME,
+    "end": _TIME,
+}
+ZONE_SCHEMA = {
+    "type": "object",
+    "properties": {key: _VALUE_SCHEMAS[key] for key in FIELDS},
+    "required": list(FIELDS),
+    "additionalProperties": False,
+}
 
 INSTRUCTION = (
     "List the active drone no-fly zones in the messages above as a JSON list, in message order, "
@@ -124,6 +150,13 @@ class NoFlyZones:
             truth=zones,
             value_spans=spans_of(answer, copied),
         )
+
+    def answer_schema(self, example: Example) -> dict:
+        """A JSON list of zones (ZONE_SCHEMA), at most one per message: a bound that also stops a list
+        running on. The same for both families: the phrasing changes, the answer does not. Only
+        `example.prompt` is read, so any prompt `format_prompt` writes (the demo's own messages) has one."""
+        count = len(prompt_messages(example.prompt))
+        return {"type": "array", "items": copy.deepcopy(ZONE_SCHEMA), "maxItems": count}
 
     def check(self, example: Example, output: str) -> dict[str, float]:
         truth = example.truth

@@ -46,6 +46,10 @@ class Repeat:
             value_spans=spans_of(answer, items),
         )
 
+    def answer_schema(self, example: Example) -> None:
+        """None: a training task for copying; it is never decoded for a user."""
+        return None
+
     def check(self, example: Example, output: str) -> dict[str, float]:
         pred = parse_json(output, "[")
         found = pred if isinstance(pred, list) else []

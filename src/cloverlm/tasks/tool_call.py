@@ -229,6 +229,14 @@ class ToolCall:
             tools=tuple(t.schema() for t in offered),
         )
 
+    def answer_schema(self, example: Example) -> None:
+        """None: the answer is a call wrapped in <tool_call> markers, not one JSON value, and which tool it
+        calls is the model's choice. Its grammar is the one a server builds for `tools`:
+        `Grammars.tool_calls([(name, parameters) of each tool in example.tools], single=True)`, one
+        call of any offered tool, each tool's arguments under its own parameters schema. A schema of the
+        called tool alone would hand the model the routing this task tests."""
+        return None
+
     def check(self, example: Example, output: str) -> dict[str, float]:
         truth = example.truth
         call = parse_tool_call(output)
