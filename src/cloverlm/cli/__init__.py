@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tasks", nargs="+", default=[*SUITE, *HELD_OUT])
             p.add_argument("--n", type=int, default=20)
             p.add_argument("--messages", type=int, help="air-traffic messages per no_fly_zones prompt (default 20)")
+            p.add_argument("--free", action="store_true", help="decode without the answers' schemas (default: under them)")
             p.add_argument("--json")
 
     p = sub.add_parser("bench", help="Clover against its autoregressive peer: accuracy, latency, context scaling")

@@ -135,7 +135,7 @@ def cmd_eval(args) -> None:
     sizes = {} if args.messages is None else {name: {"n_messages": args.messages} for name in ("no_fly_zones", "no_fly_zones_unseen")}
     report = evaluate_tasks(
         model, tokenizer, args.tasks, args.n, block_size=args.block_size, threshold=args.threshold,
-        calibration=load_calibration(folder) if _is_clover(model) else None, sizes=sizes,
+        calibration=load_calibration(folder) if _is_clover(model) else None, sizes=sizes, free=args.free,
     )
     text = json.dumps(report, indent=1)
     if args.json:

@@ -1,5 +1,9 @@
 """Per-task accuracy on held-out prompts, for Clover (decoded by the engine, all prompts of a task
-batched) and for its autoregressive peer (transformers' generate, one prompt at a time)."""
+batched) and for its autoregressive peer (transformers' generate, one prompt at a time).
+
+By default an answer with a schema (the task's `answer_schema`, or the offered tools for a tool call) is
+decoded under that grammar, for Clover and the peer alike (the peer with jump-forward); `free=True`
+decodes without. The report says which, and the share of answer tokens the grammar forced."""
 
 from __future__ import annotations
 
@@ -22,25 +26,49 @@ def answer_budget(encoded: TokenizedExample) -> int:
     return len(encoded.ids) - encoded.prompt_length + ANSWER_SLACK
 
 
-def _clover_completions(model, examples, stop_ids, *, block_size, threshold, batch_size, calibration) -> Iterator:
+def answer_grammar(grammars, task, example) -> str | None:
+    """The grammar an answer is decoded under: a tool call's for the offered tools, else the task's schema."""
+    if example.tools:
+        tools = [(tool["function"]["name"], tool["function"].get("parameters")) for tool in example.tools]
+        return grammars.tool_calls(tools, single=True)
+    schema = task.answer_schema(example)
+    return None if schema is None else grammars.json_schema(schema)
+
+
+def forced_count(constraint, tokens: list[int]) -> int:
+    """How many of `tokens` the grammar fixed (replayed through a fresh constraint)."""
+    count = 0
+    for token in tokens:
+        run = constraint.forced()
+        count += bool(run) and run[0] == token
+        constraint.advance(token)
+    return count
+
+
+def _clover_completions(model, examples, stop_ids, fresh, *, block_size, threshold, batch_size, calibration) -> Iterator:
     engine = Engine(model, max_batch_size=batch_size, calibration=calibration)
     for index, encoded in enumerate(examples):
         params = DecodeParams(
             max_new_tokens=answer_budget(encoded), block_size=block_size, threshold=threshold, stop_token_ids=stop_ids
         )
-        engine.submit(Request(encoded.ids[: encoded.prompt_length], params, request_id=index))
+        engine.submit(Request(encoded.ids[: encoded.prompt_length], params, request_id=index, constraint=fresh(index)))
     while engine.has_work():
         for completion in engine.step():
             yield completion.request_id, completion.tokens, completion.forwards
 
 
-def _peer_completions(model, examples, stop_ids, prompt_lookup: int) -> Iterator:
-    from cloverlm.convert.peer import peer_generate
+def _peer_completions(model, examples, stop_ids, fresh, prompt_lookup: int) -> Iterator:
+    from cloverlm.convert.peer import peer_generate, peer_generate_constrained
 
     for index, encoded in enumerate(examples):
-        prompt = encoded.ids[: encoded.prompt_length]
-        tokens = peer_generate(model, prompt, answer_budget(encoded), stop_ids, prompt_lookup=prompt_lookup)
-        yield index, tokens, len(tokens)  # counted as one forward per token, drafts or not
+        prompt, budget = encoded.ids[: encoded.prompt_length], answer_budget(encoded)
+        constraint = fresh(index)
+        if constraint is not None:
+            out = peer_generate_constrained(model, prompt, constraint, budget, stop_ids)
+            yield index, out.tokens, out.forwards
+        else:
+            tokens = peer_generate(model, prompt, budget, stop_ids, prompt_lookup=prompt_lookup)
+            yield index, tokens, len(tokens)  # counted as one forward per token, drafts or not
 
 
 def evaluate_tasks(
@@ -55,34 +83,49 @@ def evaluate_tasks(
     calibration=None,
     sizes: dict[str, dict[str, int]] | None = None,
     prompt_lookup: int = 0,
+    free: bool = False,
 ) -> dict:
-    """Mean of each checker field over `count` held-out prompts per task, plus the tokens generated and
-    tokens per forward.
+    """Mean of each checker field over `count` held-out prompts per task, plus the tokens generated,
+    tokens per forward and (under a grammar) the share of answer tokens it forced.
     `model` is Clover or the peer (the decoding options are Clover's); `sizes` gives a generator's size
     arguments by task (e.g. {"no_fly_zones": {"n_messages": 4}}); block_size="auto" needs `calibration`;
-    prompt_lookup is the peer's (see peer_generate)."""
+    prompt_lookup is the peer's free decoding's (see peer_generate); free=True decodes without grammars."""
+    from cloverlm.decoding.grammar import Grammars
+
     is_clover = model.config.model_type == "clover"
+    stop_ids = stop_token_ids(tokenizer)
+    grammars = None if free else Grammars(tokenizer, model.config.vocab_size, stop_ids)
     report = {}
     for name in task_names:
         task = tasks.get_task(name)
         examples = heldout_examples(tokenizer, name, count, 1 << 30, **(sizes or {}).get(name, {}))
+        grammar = [None if free else answer_grammar(grammars, task, e.example) for e in examples]
+
+        def fresh(index: int, grammar=grammar):  # a new matcher each call: one to decode, one to count forced tokens
+            return None if grammar[index] is None else grammars.constraint(grammar[index])
+
         if is_clover:
             completions = _clover_completions(
-                model, examples, stop_token_ids(tokenizer), block_size=block_size, threshold=threshold,
+                model, examples, stop_ids, fresh, block_size=block_size, threshold=threshold,
                 batch_size=batch_size, calibration=calibration,
             )  # fmt: skip
         else:
-            completions = _peer_completions(model, examples, stop_token_ids(tokenizer), prompt_lookup)
+            completions = _peer_completions(model, examples, stop_ids, fresh, prompt_lookup)
         started = time.perf_counter()
         totals: dict[str, float] = {}
-        tokens = forwards = 0
+        tokens = forwards = forced = 0
         for index, generated, used in tqdm(completions, total=len(examples), desc=name, leave=False):
             for key, value in task.check(examples[index].example, tokenizer.decode(generated)).items():
                 totals[key] = totals.get(key, 0.0) + value
             tokens += len(generated)
             forwards += used
+            if grammar[index] is not None:
+                forced += forced_count(fresh(index), generated)
         report[name] = {key: round(value / count, 4) for key, value in totals.items()}
         report[name]["new_tokens"] = tokens
         report[name]["tokens_per_forward"] = round(tokens / max(forwards, 1), 3)
+        report[name]["constrained"] = any(g is not None for g in grammar)
+        if report[name]["constrained"]:
+            report[name]["forced_share"] = round(forced / max(tokens, 1), 3)
         report[name]["seconds"] = round(time.perf_counter() - started, 1)
     return report
