@@ -34,9 +34,9 @@ from cloverlm.tasks.base import dumps
 from cloverlm.tasks.no_fly_zones import FIELDS, format_prompt, parse_zones, prompt_messages
 from conftest import TINY, tiny_model
 
-REPORT_FIELDS = {"clover", "peer", "speedup"}
+REPORT_FIELDS = {"clover", "peer", "speedup", "schema"}
 CLOVER_FIELDS = {"zones", "wall_s", "tpf", "zone_exact_match"}
-PEER_FIELDS = {"zones", "wall_s", "zone_exact_match"}
+PEER_FIELDS = {"zones", "wall_s", "tpf", "zone_exact_match"}
 ZONE_A = {"id": "A1234/26", "lat": 47.4581, "lon": 8.5551, "radius": 3.0, "unit": "NM", "lower": "SFC",
           "upper": "400FT", "start": "2026-05-01T08:00Z", "end": "2026-05-01T12:30Z"}
 ZONE_B = {"id": "D5678/26", "lat": 47.5372, "lon": 8.6621, "radius": 7.4, "unit": "KM", "lower": "200FT",
@@ -94,6 +94,26 @@ def test_pipeline_end_to_end_writes_the_pictures_and_the_documented_json(clover,
     assert "20 air-traffic messages" in shown and " 1. " in shown and "20. " in shown
     assert "Clover: no zones found" in shown and "peer: no zones found" in shown
     assert "truth:" in shown and "zone_exact_match" in shown and "speedup" in shown
+    assert report["schema"] and "Clover (block diffusion)" in shown
+
+
+def test_under_the_schema_even_a_random_model_opens_the_zone_list(clover, peer, tokenizer, tmp_path):
+    """Both models decode under the answer's schema by default: the list's opening is forced, and the
+    peer reads forced runs in one forward (more than one token a forward); --free decodes without."""
+    runs = {}
+    for free in (False, True):
+        console = quiet_console()
+        report = run_demo(clover, tokenizer, generated_messages(0), tmp_path / str(free), peer_model=peer, block_size=8,
+                          max_new_tokens=24, console=console, free=free)  # fmt: skip
+        runs[free] = (report, console.file.getvalue())
+    constrained, free = runs[False][0], runs[True][0]
+    assert constrained["schema"] and not free["schema"]
+    lines = runs[False][1].splitlines()
+    for title in ("Clover (block diffusion)", "peer (autoregressive)"):  # each answer's first line, in its panel
+        first = lines[next(i for i, line in enumerate(lines) if title in line) + 1]
+        answer = first.strip("│ ")
+        assert answer == "[]" or answer.startswith('[{"id":"'), first  # free, a random model writes neither
+    assert constrained["peer"]["tpf"] >= 1 == free["peer"]["tpf"]  # forced runs: one forward each
 
 
 def test_users_file_without_peer_has_no_truth_and_nulls_in_the_json(clover, tokenizer, tmp_path):

@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="outputs", help="folder for no_fly_zones.png and denoising.png (default: outputs)")
     p.add_argument("--block-size", type=int, default=DecodeParams.block_size)
     p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
+    p.add_argument("--free", action="store_true", help="decode without the answer's JSON schema (default: under it)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, JSON schemas, tools)")

@@ -193,6 +193,7 @@ def cmd_demo(args) -> None:
         json_path=Path(args.json) if args.json else None,
         block_size=args.block_size,
         threshold=args.threshold,
+        free=args.free,
     )
 
 

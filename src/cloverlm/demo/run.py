@@ -28,7 +28,7 @@ from rich.text import Text
 
 from cloverlm import tasks
 from cloverlm.convert.load import load_model
-from cloverlm.convert.peer import is_peer_folder, load_peer, peer_generate
+from cloverlm.convert.peer import is_peer_folder, load_peer, peer_generate, peer_generate_constrained
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import DecodeParams, Request, drafts_supported
 from cloverlm.demo.messages import (
@@ -43,7 +43,7 @@ from cloverlm.demo.messages import (
 from cloverlm.demo.plots import render_denoising_strip, render_zone_map
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import inference_dtype
-from cloverlm.tasks.no_fly_zones import FIELDS, INSTRUCTION, parse_zones
+from cloverlm.tasks.no_fly_zones import FIELDS, INSTRUCTION, parse_zones, zones_schema
 from cloverlm.tokenizer import load_tokenizer, stop_token_ids
 
 BASE_PEER = "base"  # --peer base: the converted model's base, zero-shot
@@ -61,7 +61,7 @@ class ModelRun:
     wall_s: float
     zones: list[dict]
     scores: dict[str, float] | None  # the task checker's fields; None without a truth
-    tpf: float | None = None  # Clover only: generated tokens per decoding forward
+    tpf: float  # generated tokens per decoding forward
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,10 +113,11 @@ class DecodeView:
         return number + 1, self.blocks[number]
 
 
-def run_clover(model, tokenizer, prompt_ids, params: DecodeParams, messages: Messages, console: Console):
-    """Decode with the engine under a live view; returns the ModelRun and the DecodeView."""
+def run_clover(model, tokenizer, prompt_ids, params: DecodeParams, messages: Messages, console: Console, constraint=None):
+    """Decode with the engine under a live view (and the answer's grammar, when given); returns the
+    ModelRun and the DecodeView."""
     view = DecodeView(tokenizer, model.config.mask_token_id)
-    request = Request(prompt_ids, params, on_step=view.on_step, on_block=view.on_block)
+    request = Request(prompt_ids, params, on_step=view.on_step, on_block=view.on_block, constraint=constraint)
     # transient: the live view goes when decoding ends, and the committed text is printed in its
     # place, the same way in a terminal and in a file (where Live would show only its last frame)
     with Live(view, console=console, refresh_per_second=8, transient=True):
@@ -129,17 +130,24 @@ def run_clover(model, tokenizer, prompt_ids, params: DecodeParams, messages: Mes
     return _model_run("Clover", text, len(completion.tokens), wall_s, messages, completion.tokens_per_forward), view
 
 
-def run_peer(model, tokenizer, prompt_ids, max_new_tokens: int, messages: Messages, console: Console) -> ModelRun:
-    with console.status("peer: decoding left to right, one forward per token"):
+def run_peer(model, tokenizer, prompt_ids, max_new_tokens: int, messages: Messages, console: Console, constraint=None) -> ModelRun:
+    """Greedy, left to right; under the answer's grammar (when given) the forced runs are read in one
+    forward each (jump-forward), the peer's share of the shortcut Clover's blocks take."""
+    stops = stop_token_ids(tokenizer)
+    with console.status("peer: decoding left to right"):
         started = time.perf_counter()
-        tokens = peer_generate(model, prompt_ids, max_new_tokens, stop_token_ids(tokenizer))
+        if constraint is None:
+            tokens = peer_generate(model, prompt_ids, max_new_tokens, stops)
+            forwards = len(tokens)
+        else:
+            tokens, forwards, _ = peer_generate_constrained(model, prompt_ids, constraint, max_new_tokens, stops)
         wall_s = time.perf_counter() - started
     text = tokenizer.decode(tokens)
     console.print(Panel(Text(text), title=f"peer (autoregressive): {len(tokens)} tokens", title_align="left"))
-    return _model_run("peer", text, len(tokens), wall_s, messages)
+    return _model_run("peer", text, len(tokens), wall_s, messages, len(tokens) / max(forwards, 1))
 
 
-def _model_run(name, text: str, tokens: int, wall_s: float, messages: Messages, tpf: float | None = None) -> ModelRun:
+def _model_run(name, text: str, tokens: int, wall_s: float, messages: Messages, tpf: float) -> ModelRun:
     scores = tasks.get_task(TASK).check(messages.example, text) if messages.example is not None else None
     return ModelRun(name, text, tokens, wall_s, parse_zones(text), scores, tpf)
 
@@ -194,7 +202,7 @@ SCORES_EXPLAINED = (
 def _timing(clover: ModelRun, peer: ModelRun | None) -> str:
     line = f"wall time: Clover {clover.wall_s:.2f} s for {clover.tokens} tokens ({clover.tpf:.2f} tokens per forward)"
     if peer is not None:
-        line += (f"; peer {peer.wall_s:.2f} s for {peer.tokens} tokens (one per forward); "
+        line += (f"; peer {peer.wall_s:.2f} s for {peer.tokens} tokens ({peer.tpf:.2f} tokens per forward); "
                  f"speedup (peer time / Clover time) {peer.wall_s / clover.wall_s:.2f}x")
     return line
 
@@ -212,7 +220,8 @@ def report_json(clover: ModelRun, peer: ModelRun | None) -> dict:
         "speedup": None,
     }
     if peer is not None:
-        report["peer"] = {"zones": peer.zones, "wall_s": round(peer.wall_s, 3), "zone_exact_match": exact(peer)}
+        report["peer"] = {"zones": peer.zones, "wall_s": round(peer.wall_s, 3), "tpf": round(peer.tpf, 3),
+                          "zone_exact_match": exact(peer)}
         report["speedup"] = round(peer.wall_s / clover.wall_s, 3)
     return report
 
@@ -242,10 +251,12 @@ def run_demo(
     prompt_token_limit: int = PROMPT_TOKEN_LIMIT,
     max_new_tokens: int | None = None,
     console: Console | None = None,
+    free: bool = False,
 ) -> dict:
     """Run the whole demo on loaded models; writes the map and the strip into out_dir (and the JSON
     report to json_path when given) and returns the report. max_new_tokens None: the budget for the
-    messages kept (answer_token_budget)."""
+    messages kept (answer_token_budget). Both models decode under the answer's JSON schema (every key,
+    quote and bracket forced) unless `free`."""
     console = console or Console()
     out_dir = _writable_dir(Path(out_dir))
     if json_path is not None:
@@ -270,10 +281,11 @@ def run_demo(
 
     params.max_new_tokens = max_new_tokens or answer_token_budget(kept)
     params.stop_token_ids = stop_token_ids(tokenizer)
-    clover, view = run_clover(clover_model, tokenizer, prompt_ids, params, messages, console)
+    fresh = _constraints(tokenizer, clover_model.config.vocab_size, params.stop_token_ids, kept, free)
+    clover, view = run_clover(clover_model, tokenizer, prompt_ids, params, messages, console, fresh())
     runs = [clover]
     if peer_model is not None:
-        runs.append(run_peer(peer_model, tokenizer, prompt_ids, params.max_new_tokens, messages, console))
+        runs.append(run_peer(peer_model, tokenizer, prompt_ids, params.max_new_tokens, messages, console, fresh()))
     peer = runs[1] if len(runs) > 1 else None
 
     for run in runs:
@@ -294,12 +306,23 @@ def run_demo(
         f"Clover, block {number}: {len(steps)} denoising steps (yellow: unmasked at that step, grey: still masked)",
     )
     written = [out_dir / MAP_FILE, out_dir / STRIP_FILE]
-    report = report_json(clover, peer)
+    report = report_json(clover, peer) | {"schema": not free}
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
         written.append(Path(json_path))
     console.print("wrote " + ", ".join(map(str, written)))
     return report
+
+
+def _constraints(tokenizer, vocab_size: int, stop_ids, n_messages: int, free: bool):
+    """A maker of fresh constraints for the zone list's schema (one per model), or of None when free."""
+    if free:
+        return lambda: None
+    from cloverlm.decoding.grammar import Grammars
+
+    grammars = Grammars(tokenizer, vocab_size, stop_ids)
+    grammar = grammars.json_schema(zones_schema(n_messages))
+    return lambda: grammars.constraint(grammar)
 
 
 def _load_peer(folder: Path | None, required: bool, tokenizer, console: Console):
@@ -339,6 +362,7 @@ def demo(
     json_path: Path | None = None,
     block_size: int = DecodeParams.block_size,
     threshold: float = DecodeParams.threshold,
+    free: bool = False,
 ) -> dict:
     """`clover demo`: load the models and the messages, then run_demo. peer_dir None: Clover only;
     peer_required: a missing peer folder is an error (an explicit --peer) rather than a note."""
@@ -350,5 +374,5 @@ def demo(
     peer = _load_peer(peer_dir, peer_required, tokenizer, console)
     return run_demo(
         load_model(model_dir, inference_dtype()), tokenizer, messages, out_dir, peer_model=peer, json_path=json_path,
-        block_size=block_size, threshold=threshold, console=console,
+        block_size=block_size, threshold=threshold, console=console, free=free,
     )

@@ -155,8 +155,7 @@ class NoFlyZones:
         """A JSON list of zones (ZONE_SCHEMA), at most one per message: a bound that also stops a list
         running on. The same for both families: the phrasing changes, the answer does not. Only
         `example.prompt` is read, so any prompt `format_prompt` writes (the demo's own messages) has one."""
-        count = len(prompt_messages(example.prompt))
-        return {"type": "array", "items": copy.deepcopy(ZONE_SCHEMA), "maxItems": count}
+        return zones_schema(len(prompt_messages(example.prompt)))
 
     def check(self, example: Example, output: str) -> dict[str, float]:
         truth = example.truth
@@ -173,6 +172,11 @@ class NoFlyZones:
         scores["count"] = float(len(pred) == len(truth))
         scores["exact"] = float(same(parsed, truth))
         return scores
+
+
+def zones_schema(n_messages: int) -> dict:
+    """The answer's schema for a prompt of `n_messages` messages: a list of at most that many zones."""
+    return {"type": "array", "items": copy.deepcopy(ZONE_SCHEMA), "maxItems": n_messages}
 
 
 def format_prompt(messages: list[str]) -> str:
