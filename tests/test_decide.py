@@ -3,6 +3,7 @@ answers), the drone_slots task (unique solutions, checker), `decide` and its ben
 
 import itertools
 import json
+import random
 
 import pytest
 
@@ -10,7 +11,7 @@ from cloverlm import CloverError
 from cloverlm.bench.decisions import bench_decisions
 from cloverlm.decoding.decisions import decide, decision_requests
 from cloverlm.decoding.engine import Engine
-from cloverlm.decoding.params import DecodeParams, Request, Slots
+from cloverlm.decoding.params import DecodeParams, Request, Slots, distinct_choices
 from cloverlm.tasks.drone_slots import DroneSlots, consistent
 from conftest import tiny_model
 
@@ -50,6 +51,58 @@ def test_bad_slots_get_a_clear_error():
     ):
         with pytest.raises(CloverError, match=message):
             engine.submit(Request([5, 6], slots=slots))
+
+
+def _run_bounded(engine: Engine, forwards: int):
+    """Step until done, but fail (instead of hanging) past `forwards` forwards."""
+    done = []
+    for _ in range(forwards):
+        done += engine.step()
+        if not engine.has_work():
+            return done
+    raise AssertionError(f"still decoding after {forwards} forwards")
+
+
+def test_distinct_slots_always_end_within_one_forward_per_slot():
+    """Issue 22: slot 1 may take 50, 51 or 52, slots 2 and 3 only 50 or 51. Slot 1 taking 50 or 51 first
+    used to leave slots 2 and 3 one option for two, so one stayed masked and the request never ended
+    (seed 3 here); now every open slot is kept to options some complete assignment gives it, and each
+    step unmasks at least one slot."""
+    model = tiny_model()
+    for seed in range(12):
+        engine = Engine(model)
+        engine.submit(Request([5, 6, 7], DecodeParams(threshold=0.99, temperature=1.0, seed=seed),
+                              slots=Slots([None, 30, None, 31, None], [[50, 51, 52], [50, 51], [50, 51]], distinct=True)))
+        [completion] = _run_bounded(engine, forwards=3)
+        assert completion.forwards <= 3 and completion.finish_reason == "stop"
+        assert completion.tokens[0] == 52 and {completion.tokens[2], completion.tokens[4]} == {50, 51}
+
+
+def test_impossible_distinct_answers_are_refused_before_decoding(tokenizer):
+    engine = Engine(tiny_model())
+    with pytest.raises(CloverError, match="distinct slots 1, 2, 3 have fewer options between them than slots"):
+        engine.submit(Request([5, 6], slots=Slots([None] * 3, [[50, 51]] * 3, distinct=True)))
+    assert not engine.has_work()
+    questions = [(f"q{i}", ["yes", "no"]) for i in (1, 2, 3)]
+    with pytest.raises(CloverError, match=r"questions 1, 2, 3 have only 2 different options between them \(no, yes\)"):
+        decision_requests(tokenizer, questions, "", True, DecodeParams(), distinct=True)
+    # Hall's condition, not a count: 2 and 3 share one option, though there are four in all
+    questions = [("q1", ["a", "b", "c"]), ("q2", ["yes"]), ("q3", ["yes"])]
+    with pytest.raises(CloverError, match="questions 2, 3 have only 1 different option between them \\(yes\\)"):
+        decision_requests(tokenizer, questions, "", True, DecodeParams(), distinct=True)
+    assert decision_requests(tokenizer, questions, "", False, DecodeParams())  # one at a time: nothing to share
+
+
+def test_distinct_choices_are_the_options_of_some_complete_assignment():
+    rng = random.Random(0)
+    for _ in range(400):
+        options = [rng.sample(range(6), rng.randint(1, 4)) for _ in range(rng.randint(1, 5))]
+        choices, crowded = distinct_choices(options)
+        assignments = [a for a in itertools.product(*options) if len(set(a)) == len(a)]
+        if assignments:
+            assert crowded == [] and choices == [{a[i] for a in assignments} for i in range(len(options))]
+        else:  # a group of slots with fewer options than slots, for the error message
+            assert choices == [] and len({t for i in crowded for t in options[i]}) < len(crowded)
 
 
 def test_drone_slots_have_exactly_one_solution():

@@ -240,3 +240,91 @@ def test_empty_batch_and_empty_prompt_get_a_clear_error():
         engine.submit(Request([]))
     with pytest.raises(CloverError, match="the prompt contains the mask token id 2"):
         engine.submit(Request([5, MASK, 7]))
+
+
+# -- every request ends: a bound on forwards (issue 22) --
+
+
+def forward_bound(request: Request) -> int:
+    """The most forwards the engine spends on a request. Every step unmasks at least one position (the
+    most confident open one; under a grammar the first masked; under distinct slots one that keeps the
+    rest assignable) and a block is done after its step cap: max_steps (threshold rule, no drafts: the
+    last step fills every masked position), steps (low_confidence), else its length. The blocks are
+    block_size long but the last, max_new_tokens in all, so the bound is the sum over the blocks of
+    min(length, cap) <= max_new_tokens. A slot layout is one block: at most one forward per slot."""
+    params = request.params
+    if request.slots is not None:
+        return len(request.slots.options)
+    size, total = params.block_size, params.max_new_tokens
+    sizes = [size] * (total // size) + ([total % size] if total % size else [])
+    cap = params.steps if params.strategy == "low_confidence" else None if params.draft else params.max_steps
+    return sum(min(length, cap or length) for length in sizes)
+
+
+@pytest.fixture(scope="module")
+def bound_models(tokenizer):
+    from cloverlm.decoding.grammar import Grammars
+    from cloverlm.tokenizer import stop_token_ids
+
+    mixed = tiny_model(vocab_size=len(tokenizer))
+    attention = tiny_model(vocab_size=len(tokenizer), layer_types=[ATTENTION] * 4, causal_clean_stream=True)
+    stops = stop_token_ids(tokenizer)
+    return mixed, attention, Grammars(tokenizer, len(tokenizer), stops), stops
+
+
+def test_forwards_never_pass_the_stated_bound(bound_models):
+    """Property: for any request (strategy, threshold, max_steps, steps, sampling, drafts, a grammar, slots
+    with or without distinct answers), batched with others, completion.forwards <= forward_bound."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from cloverlm.decoding.params import Slots
+
+    mixed, attention, grammars, stops = bound_models
+    tokens = st.integers(20, 2000)
+
+    @st.composite
+    def requests(draw, drafts: bool):
+        kind = draw(st.sampled_from(["plain", "grammar", "slots", "slots"]) if not drafts else st.just("plain"))
+        strategy = "threshold" if drafts else draw(st.sampled_from(["threshold", "low_confidence"]))
+        params = DecodeParams(
+            max_new_tokens=draw(st.integers(1, 24)), block_size=draw(st.integers(1, 12)), strategy=strategy,
+            threshold=draw(st.floats(0.01, 1.0)), max_steps=draw(st.none() | st.integers(1, 6)),
+            steps=draw(st.none() | st.integers(1, 6)), temperature=draw(st.sampled_from([0.0, 1.0])),
+            seed=draw(st.integers(0, 99)), draft=drafts, stop_token_ids=stops,
+        )
+        prompt_ids = draw(st.lists(tokens, min_size=1, max_size=20))
+        if kind == "grammar":
+            return Request(prompt_ids, params, constraint=grammars.constraint(grammars.json_object()))
+        if kind == "slots":
+            layout = draw(st.lists(st.none() | tokens, min_size=1, max_size=8))
+            if None not in layout:
+                layout[0] = None
+            options = [draw(st.lists(st.integers(20, 25), min_size=1, max_size=4)) for _ in range(layout.count(None))]
+            return Request(prompt_ids, params, slots=Slots(layout, options, distinct=draw(st.booleans())))
+        return Request(prompt_ids, params)
+
+    @settings(max_examples=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def check(data):
+        drafts = data.draw(st.booleans())
+        batch = data.draw(st.lists(requests(drafts), min_size=1, max_size=3))
+        engine = Engine(attention if drafts else mixed, max_batch_size=2)
+        accepted = []
+        for request in batch:
+            try:
+                engine.submit(request)
+                accepted.append(request)
+            except CloverError as error:  # only distinct slots with too few options are refused
+                assert request.slots is not None and request.slots.distinct and "fewer options" in str(error)
+        done = []
+        for _ in range(sum(forward_bound(r) for r in accepted) + 1):  # the batch can take no more (a hang fails here)
+            if not engine.has_work():
+                break
+            done += engine.step()
+        assert not engine.has_work()
+        for request, completion in zip(accepted, sorted(done, key=lambda c: c.order)):
+            assert completion.forwards == completion.steps <= forward_bound(request), (request.params, request.slots)
+            assert completion.finish_reason in ("stop", "length")
+
+    check()

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cloverlm.decoding.engine import Engine
-from cloverlm.decoding.params import Completion, DecodeParams, Request, Slots
+from cloverlm.decoding.params import Completion, DecodeParams, Request, Slots, distinct_choices
 from cloverlm.errors import CloverError
 from cloverlm.tokenizer import format_chat, stop_token_ids
 
@@ -67,10 +67,17 @@ def decision_layout(tokenizer, questions: Sequence[Question], indices: Sequence[
 def decision_requests(
     tokenizer, questions: Sequence[Question], context: str, joint: bool, params: DecodeParams, distinct: bool = False
 ) -> list[Request]:
-    """One request holding every slot (joint), or one per question (then `distinct` cannot apply)."""
+    """One request holding every slot (joint), or one per question (then `distinct` cannot apply).
+    Distinct answers that cannot all be given (three yes/no questions) are refused here, before decoding."""
     for text, options in questions:
         if not options:
             raise CloverError(f"the question {text!r} has no options")
+    if distinct and joint:
+        crowded = distinct_choices([{_token(tokenizer, o) for o in options} for _, options in questions])[1]
+        if crowded:
+            shared = sorted({o for i in crowded for o in questions[i][1]})
+            raise CloverError(f"distinct answers are impossible: questions {', '.join(str(i + 1) for i in crowded)} "
+                              f"have only {len(shared)} different option{'s' if len(shared) != 1 else ''} between them ({', '.join(shared)})")
     prompt = decision_prompt(tokenizer, questions, context)
     groups = [list(range(len(questions)))] if joint else [[i] for i in range(len(questions))]
     return [Request(prompt, params, request_id=group, slots=decision_layout(tokenizer, questions, group, distinct))

@@ -40,7 +40,14 @@ from collections import deque
 
 import torch
 
-from cloverlm.decoding.params import AUTO, BlockRecord, Completion, Request, drafts_supported
+from cloverlm.decoding.params import (
+    AUTO,
+    BlockRecord,
+    Completion,
+    Request,
+    distinct_choices,
+    drafts_supported,
+)
 from cloverlm.decoding.row import DecodeRow
 from cloverlm.decoding.unmask import choose_tokens, greedy, threshold_accept
 from cloverlm.errors import CloverError, check_token_ids
@@ -112,6 +119,9 @@ class Engine:
         tokens = [t for t in slots.layout if t is not None] + [t for options in slots.options for t in options]
         if any(not 0 <= t < vocab or t in reserved for t in tokens):
             raise CloverError(f"slot layout and options must be ordinary token ids in 0..{vocab - 1} (no mask or stop ids)")
+        crowded = distinct_choices(slots.options)[1] if slots.distinct else []
+        if crowded:  # they could never all unmask
+            raise CloverError(f"distinct slots {', '.join(str(i + 1) for i in crowded)} have fewer options between them than slots")
 
     def cancel(self, request: Request) -> bool:
         """Drop a request, waiting or in the batch (with its cache rows), at once; False if it is not here
@@ -127,6 +137,22 @@ class Engine:
                 self.cache = self.cache.select(keep) if keep else None
                 return True
         return False
+
+    def end(self, request: Request, reason: str) -> Completion | None:
+        """Drop a request like `cancel`, returning what it has produced (its finished blocks) with `reason`
+        as finish_reason (e.g. a server's time limit); None if it is not here."""
+        row = next((row for row in (*self.waiting, *self.rows) if row.request is request), None)
+        if row is None:
+            return None
+        self.cancel(request)
+        row.finish_reason = reason
+        return self._completion(row)
+
+    def _completion(self, row: DecodeRow) -> Completion:
+        return Completion(
+            row.request.request_id, row.generated, row.finish_reason, len(row.request.prompt_ids),
+            row.forwards, row.steps, row.blocks, row.block_records if self.record_blocks else None, row.order,
+        )
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.rows)
@@ -218,11 +244,7 @@ class Engine:
             if row.finish_reason is None:
                 keep.append(index)
             else:
-                completion = Completion(
-                    row.request.request_id, row.generated, row.finish_reason, len(row.request.prompt_ids),
-                    row.forwards, row.steps, row.blocks, row.block_records if self.record_blocks else None, row.order,
-                )
-                finished.append(completion)
+                finished.append(self._completion(row))
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             self.cache = self.cache.select(keep) if keep else None
@@ -280,28 +302,28 @@ class Engine:
             confidence = torch.where(masked, confidence, torch.full_like(confidence, -1.0))
             accept = torch.zeros_like(masked)
             accept[confidence.topk(min(row.transfer_count(), int(masked.sum()))).indices] = True
-        if row.allowed is not None and row.request.slots.distinct:
+        distinct = row.allowed is not None and row.request.slots.distinct
+        if distinct:
             accept = self._distinct(row, tokens, confidence, accept)
         row.block = torch.where(accept, tokens, row.block)
+        if distinct:
+            row.keep_assignable()
         self._end_step(row)
 
     @staticmethod
     def _distinct(row: DecodeRow, tokens: torch.Tensor, confidence: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
-        """Slots with distinct answers: of the slots accepted in this step that want the same token the most
-        confident keeps it, the others stay masked; open slots may no longer take a chosen token (unless
-        it was their last option)."""
-        taken = {int(row.block[p]) for p in row.slot_positions if row.block[p] != row.mask_id}
-        keep = accept.clone()
+        """Slots with distinct answers: the slots accepted in this step, most confident first, keep their
+        token while every open slot can still get a different one; the others stay masked. The first
+        always keeps it (open slots are kept to assignable options), so each step unmasks a slot."""
+        keep = torch.zeros_like(accept)
+        fixed: dict[int, int] = {}
+        choices = row.assignable_choices()
         for position in sorted(accept.nonzero()[:, 0].tolist(), key=lambda p: -float(confidence[p])):
             token = int(tokens[position])
-            keep[position] = token not in taken
-            taken.add(token)
-        for position in row.slot_positions:
-            if row.block[position] == row.mask_id and not keep[position]:
-                remaining = row.allowed[position].clone()
-                remaining[list(taken)] = False
-                if bool(remaining.any()):
-                    row.allowed[position] = remaining
+            if token in choices.get(position, ()):
+                keep[position] = True
+                fixed[position] = token
+                choices = row.assignable_choices(fixed)
         return keep
 
     def _denoise_constrained(self, row: DecodeRow, logits: torch.Tensor) -> None:

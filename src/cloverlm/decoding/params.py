@@ -3,7 +3,7 @@ validation; Request, Slots, Constraint) and what it gets back (Completion, Block
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -92,6 +92,48 @@ class Slots:
     layout: list[int | None]
     options: list[list[int]]
     distinct: bool = False  # no two slots take the same token (e.g. one zone per drone)
+
+
+def distinct_choices(options: Sequence[Iterable[int]]) -> tuple[list[set[int]], list[int]]:
+    """Slots that must take different tokens, each one of its options: (per slot, the options that some
+    complete assignment gives it; []) or, where no complete assignment exists (Hall's condition fails),
+    ([], the indices of slots that share fewer options than they are). The engine keeps each open slot
+    to these choices, so the slot it unmasks first is always assignable and a distinct block cannot
+    stall: its forwards stay <= its slots."""
+    sets = [set(o) for o in options]
+    slot_of: dict[int, int] = {}  # token -> slot, a maximum matching (Kuhn's augmenting paths)
+
+    def augment(slot: int, seen: set[int]) -> bool:
+        for token in sets[slot]:
+            if token not in seen:
+                seen.add(token)
+                if token not in slot_of or augment(slot_of[token], seen):
+                    slot_of[token] = slot
+                    return True
+        return False
+
+    for slot in range(len(sets)):
+        seen: set[int] = set()
+        if not augment(slot, seen):  # the slots reached hold only the tokens seen: one too few
+            return [], sorted({slot} | {slot_of[t] for t in seen})
+    token_of = {slot: token for token, slot in slot_of.items()}
+    reach, frees = [], []  # per slot: slots reachable by alternating paths; whether a free token is
+    for start in range(len(sets)):
+        seen_slots, stack, free = {start}, [start], False
+        while stack:
+            slot = stack.pop()
+            for token in sets[slot] - {token_of[slot]}:
+                if token not in slot_of:
+                    free = True
+                elif slot_of[token] not in seen_slots:
+                    seen_slots.add(slot_of[token])
+                    stack.append(slot_of[token])
+        reach.append(seen_slots)
+        frees.append(free)
+    # slot i may take token t if it holds t, t is free, or t's holder can move on to a free token or
+    # around to the token i gives up
+    return [{t for t in sets[i] if t not in slot_of or slot_of[t] == i or frees[slot_of[t]] or i in reach[slot_of[t]]}
+            for i in range(len(sets))], []
 
 
 @dataclass

@@ -7,7 +7,7 @@ import random
 import torch
 
 from cloverlm.decoding.draft import PromptLookup
-from cloverlm.decoding.params import BlockRecord, Request
+from cloverlm.decoding.params import BlockRecord, Request, distinct_choices
 
 
 class DecodeRow:
@@ -104,6 +104,24 @@ class DecodeRow:
         for position, options in zip(self.slot_positions, slots.options):
             self.allowed[position] = False
             self.allowed[position, options] = True
+        if slots.distinct:
+            self.keep_assignable()
+
+    def assignable_choices(self, fixed: dict[int, int] | None = None) -> dict[int, set[int]]:
+        """Distinct slots: per open slot (masked, and not in `fixed`, {position: token}), the options that
+        leave every open slot a different answer beside the ones taken."""
+        fixed = fixed or {}
+        taken = {int(self.block[p]) for p in self.slot_positions if self.block[p] != self.mask_id} | set(fixed.values())
+        open_ = [(p, set(options) - taken) for p, options in zip(self.slot_positions, self.request.slots.options)
+                 if self.block[p] == self.mask_id and p not in fixed]
+        choices, _ = distinct_choices([options for _, options in open_])
+        return {p: c for (p, _), c in zip(open_, choices)}
+
+    def keep_assignable(self) -> None:
+        """Keep each open distinct slot to its assignable options (a slot given only taken ones would never unmask)."""
+        for position, choices in self.assignable_choices().items():
+            self.allowed[position] = False
+            self.allowed[position, sorted(choices)] = True
 
     def fill_forced(self, start: int, keep_masked: int = 0) -> int:
         """Under a constraint, write the grammar's forced tokens from position `start` on (the first masked

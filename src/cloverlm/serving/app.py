@@ -13,7 +13,6 @@ required / named) are grammars (`cloverlm.decoding.grammar`) the engine enforces
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
@@ -34,8 +33,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cloverlm.decoding.decisions import slot_answers
 from cloverlm.serving.planning import Plan, Server
 from cloverlm.serving.responses import ChatFormat, CompletionFormat, collect, respond
-from cloverlm.serving.schemas import APIError, ChatBody, CompletionBody, DecisionBody, ServerConfig
-from cloverlm.serving.worker import Job, Metrics
+from cloverlm.serving.schemas import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    DecisionBody,
+    ServerConfig,
+    json_path_at,
+)
+from cloverlm.serving.worker import Metrics
 
 log = logging.getLogger("cloverlm.server")
 
@@ -73,6 +79,14 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, calibration
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_, error: RequestValidationError):
         first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":  # loc holds the character offset: name the field it falls in
+            offset = first["loc"][-1] if isinstance(first["loc"][-1], int) else 0
+            field = json_path_at(error.body, offset) if isinstance(error.body, str) else None
+            detail = first.get("ctx", {}).get("error", "syntax error")
+            return APIError(400, f"the body is not valid JSON: {detail} at character {offset}"
+                            + (f", in {field}" if field else ""), field, "invalid_json").response()
+        if first.get("type") == "lone_surrogate":  # raised on the whole body: the field is in ctx
+            return APIError(400, first["msg"], first["ctx"]["field"], "invalid_unicode").response()
         where = [str(part) for part in first.get("loc", ())[1:]]
         return APIError(400, f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}", ".".join(where) or None).response()
 
@@ -116,7 +130,7 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, calibration
     async def decisions(body: DecisionBody, http_request: HTTPRequest):
         started = time.perf_counter()
         requests = await _plan(server.plan_decisions, body)
-        job = Job(asyncio.get_running_loop())
+        job = server.job()
         groups = [request.request_id for request in requests]  # the questions each request answers
         for index, request in enumerate(requests):
             request.request_id = (job, index)
@@ -124,6 +138,9 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, calibration
         completions = await collect(server, server.launch(job), http_request, "/v1/decisions", started)
         if completions is None:
             return Response(status_code=499)
+        if any(c.finish_reason == "time_limit" for c in completions):  # slots left open: no answer to give
+            raise APIError(408, f"the decision ran past the server's time limit of {config.request_timeout_s:g} s",
+                           code="request_timeout")
         answers: dict[int, str] = {}
         for group, request, completion in zip(groups, requests, completions):
             answers.update(zip(group, slot_answers(server.tokenizer, request, completion)))

@@ -17,7 +17,7 @@ import jinja2
 from cloverlm.decoding.decisions import decision_requests
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.grammar import GrammarConstraint, Grammars
-from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.decoding.params import AUTO, DecodeParams, Request
 from cloverlm.errors import CloverError, check_token_ids
 from cloverlm.serving.schemas import (
     UNSUPPORTED,
@@ -46,7 +46,7 @@ class Plan:
     n: int
     constraint: GrammarConstraint | None
     stops: StopStrings | None
-    tools: bool  # parse <tool_call> tags into tool_calls
+    tools: frozenset[str]  # the offered tools' names: parse <tool_call> tags into tool_calls (none: plain text)
     stream: bool
     include_usage: bool
 
@@ -97,10 +97,33 @@ class Server:
             raise APIError(400, "the prompt contains the [MASK] or pad token, which only the decoder may place", param)
         return ids
 
-    def decode_params(self, body: SamplingBody, max_tokens: int | None, stops: StopStrings | None) -> DecodeParams:
-        max_tokens = max_tokens or min(self.config.default_max_tokens, self.config.max_tokens)
+    def check_context(self, prompt_tokens: int, max_tokens: int, param: str) -> None:
+        """Prompt + max_tokens within the model's context (OpenAI's check and error code)."""
+        context = self.model.config.max_position_embeddings
+        if prompt_tokens + max_tokens > context:
+            raise APIError(400, f"this model's context is {context} tokens; the request needs {prompt_tokens + max_tokens} "
+                           f"({prompt_tokens} in the {param}, {max_tokens} to generate): shorten the {param} or ask for fewer tokens",
+                           param, "context_length_exceeded")
+
+    def check_params(self, params: DecodeParams) -> DecodeParams:
+        limit = self.model.config.max_block_size
+        size = params.block_size
+        if size != AUTO and (not isinstance(size, int) or not 1 <= size <= limit):
+            raise APIError(400, f"block_size is {size!r}; this model's blocks hold 1..{limit} tokens", "block_size")
+        try:
+            params.validate(limit)
+        except CloverError as error:
+            raise APIError(400, str(error)) from None
+        return params
+
+    def decode_params(self, body: SamplingBody, max_tokens: int | None, stops: StopStrings | None,
+                      prompt_tokens: int, param: str) -> DecodeParams:
+        if max_tokens is None:  # the default, cut to the context the prompt leaves
+            room = self.model.config.max_position_embeddings - prompt_tokens
+            max_tokens = max(min(self.config.default_max_tokens, self.config.max_tokens, room), 1)
         if max_tokens > self.config.max_tokens:
             raise APIError(400, f"max_tokens is {max_tokens}; this server's limit is {self.config.max_tokens}", "max_tokens")
+        self.check_context(prompt_tokens, max_tokens, param)
         if body.n > self.config.max_n:
             raise APIError(400, f"n is {body.n}; this server's limit is {self.config.max_n}", "n")
         params = DecodeParams(
@@ -115,10 +138,7 @@ class Server:
             stop_token_ids=self.stop_ids,
             stop=stops,
         )
-        try:
-            params.validate(self.model.config.max_block_size)
-        except CloverError as error:
-            raise APIError(400, str(error)) from None
+        self.check_params(params)
         if params.block_size == "auto" and self.calibration is None:
             raise APIError(400, 'block_size "auto" needs a calibrated model (clover calibrate)', "block_size")
         return params
@@ -164,12 +184,12 @@ class Server:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} is above this server's limit of {self.config.max_n} choices", "prompt")
         prompts = [self.check_prompt(p, "prompt") for p in prompts]
         stops = self.stop_strings(body.stop)
-        params = self.decode_params(body, body.max_tokens, stops)
+        params = self.decode_params(body, body.max_tokens, stops, max(len(p) for p in prompts), "prompt")
         try:
             grammar = self.response_grammar(body.response_format)
         except CloverError as error:
             raise APIError(400, str(error), "response_format", "invalid_schema") from None
-        return Plan(prompts, params, body.n, self.compile(grammar, "response_format"), stops, False, body.stream,
+        return Plan(prompts, params, body.n, self.compile(grammar, "response_format"), stops, frozenset(), body.stream,
                      bool(body.stream_options and body.stream_options.include_usage))
 
     def plan_chat(self, body: ChatBody) -> Plan:
@@ -189,36 +209,43 @@ class Server:
             raise APIError(400, f"cannot render the messages: {error}", "messages") from None
         prompt = self.check_prompt(self.encode(text), "messages")
         stops = self.stop_strings(body.stop)
-        params = self.decode_params(body, body.max_completion_tokens or body.max_tokens, stops)
+        params = self.decode_params(body, body.max_completion_tokens or body.max_tokens, stops, len(prompt), "messages")
         forced_call = choice == "required" or isinstance(choice, NamedToolChoice)
         param = "tools" if forced_call else "response_format"  # a forced call takes the place of a response format
+        if tools and not forced_call:  # auto: the tools pass the checks a forced call makes, though nothing is enforced
+            try:
+                self.compile(self.tool_grammar(tools, "required", body.parallel_tool_calls), "tools")
+            except CloverError as error:
+                raise APIError(400, str(error), "tools", "invalid_schema") from None
         try:
             grammar = (self.tool_grammar(tools, choice, body.parallel_tool_calls) if forced_call
                        else self.response_grammar(body.response_format))
         except CloverError as error:
             raise APIError(400, str(error), param, "invalid_schema") from None
-        return Plan([prompt], params, body.n, self.compile(grammar, param), stops, tools is not None, body.stream,
+        names = frozenset(t.function.name for t in tools or ())
+        return Plan([prompt], params, body.n, self.compile(grammar, param), stops, names, body.stream,
                      bool(body.stream_options and body.stream_options.include_usage))
 
     def plan_decisions(self, body: DecisionBody) -> list[Request]:
         self.check_model(body.model)
         if body.distinct and not body.joint:
             raise APIError(400, "distinct needs joint answering", "distinct")
-        params = DecodeParams(
+        params = self.check_params(DecodeParams(
             block_size=body.block_size or self.config.block_size,
             threshold=body.threshold if body.threshold is not None else self.config.threshold,
             max_steps=body.max_steps, temperature=body.temperature or 0.0, seed=body.seed, stop_token_ids=self.stop_ids,
-        )
+        ))
         try:
-            params.validate(self.model.config.max_block_size)
             questions = [(q.question, q.options) for q in body.questions]
             requests = decision_requests(self.tokenizer, questions, body.context, body.joint, params, body.distinct)
         except CloverError as error:
             raise APIError(400, str(error), "questions") from None
         self.check_prompt(requests[0].prompt_ids, "questions")
-        if len(requests[0].slots.layout) > self.model.config.max_block_size:
-            raise APIError(400, f"the answers' layout is {len(requests[0].slots.layout)} tokens, over one block "
+        layout = max(len(r.slots.layout) for r in requests)
+        if layout > self.model.config.max_block_size:
+            raise APIError(400, f"the answers' layout is {layout} tokens, over one block "
                            f"({self.model.config.max_block_size}): fewer questions", "questions")
+        self.check_context(len(requests[0].prompt_ids), layout, "questions")
         return requests
 
     @staticmethod
@@ -244,8 +271,11 @@ class Server:
 
     # -- running a plan --
 
+    def job(self) -> Job:
+        return Job(asyncio.get_running_loop(), self.config.request_timeout_s)
+
     def start(self, plan: Plan) -> Job:
-        job = Job(asyncio.get_running_loop())
+        job = self.job()
         for p, prompt in enumerate(plan.prompts):
             for k in range(plan.n):
                 index = p * plan.n + k
@@ -276,6 +306,6 @@ class Server:
         while open_choices:
             event = await job.events.get()
             if isinstance(event, FailedEvent):
-                raise APIError(event.status, event.message, code="engine_error")
+                raise APIError(event.status, event.message, code=event.code)
             open_choices -= isinstance(event, DoneEvent)
             yield event

@@ -55,9 +55,11 @@ class _Format:
 
     def whole_choice(self, index: int, completion: Completion) -> dict: ...
 
-    def finish_reason(self, completion: Completion, calls: list[dict]) -> str:
-        # cut off by max_tokens stays "length", also with calls parsed before the cut
-        return "tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason
+    def finish_reason(self, completion: Completion, calls: list[dict], invalid: list[dict]) -> str:
+        # cut off by max_tokens stays "length" (and the time limit "time_limit"), also with calls parsed before
+        if completion.finish_reason != "stop":
+            return completion.finish_reason
+        return "tool_calls" if calls else "tool_call_error" if invalid else "stop"
 
 
 class CompletionFormat(_Format):
@@ -67,12 +69,12 @@ class CompletionFormat(_Format):
         return {"index": index, "text": text, "logprobs": None, "finish_reason": None} if text else None
 
     def final_choice(self, index, completion):
-        _, rest, _ = self.texts[index].finish()
+        _, rest, _, _ = self.texts[index].finish()
         return {"index": index, "text": rest, "logprobs": None, "finish_reason": completion.finish_reason}
 
     def whole_choice(self, index, completion):
         self.texts[index].tokens = completion.tokens
-        content, _, _ = self.texts[index].finish()
+        content, _, _, _ = self.texts[index].finish()
         return {"index": index, "text": content, "logprobs": None, "finish_reason": completion.finish_reason}
 
 
@@ -87,19 +89,24 @@ class ChatFormat(_Format):
         return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None} if text else None
 
     def final_choice(self, index, completion):
-        _, rest, calls = self.texts[index].finish()
+        _, rest, calls, invalid = self.texts[index].finish()
         delta: dict[str, Any] = {"content": rest} if rest else {}
         if calls:
             delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": self.finish_reason(completion, calls)}
+        if invalid:
+            delta["invalid_tool_calls"] = invalid
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": self.finish_reason(completion, calls, invalid)}
 
     def whole_choice(self, index, completion):
         self.texts[index].tokens = completion.tokens
-        content, _, calls = self.texts[index].finish()
+        content, _, calls, invalid = self.texts[index].finish()
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": self.finish_reason(completion, calls)}
+        if invalid:
+            message["invalid_tool_calls"] = invalid
+        return {"index": index, "message": message, "logprobs": None,
+                "finish_reason": self.finish_reason(completion, calls, invalid)}
 
 
 async def respond(server: Server, plan: Plan, http_request: HTTPRequest, endpoint: str, fmt: _Format):

@@ -1,6 +1,11 @@
 """The engine worker: one thread owns the `Engine` and steps it while there is work, so requests from all
 clients share each batched forward (continuous batching). HTTP handlers hand it jobs through a
 thread-safe queue and get blocks and completions back as events on the job's asyncio queue.
+
+Every job ends: the engine bounds a request's forwards (max_tokens, max_steps, the slots of a
+decision), and before each forward the worker ends the jobs past their deadline (the server's
+per-request time limit): finish_reason "time_limit" with what they produced, or 429 for a job that
+never got a batch slot.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -39,13 +45,17 @@ class DoneEvent:
 class FailedEvent:
     status: int
     message: str
+    code: str | None = "engine_error"
 
 
 class Job:
-    """One HTTP request in flight: its engine requests (one per choice) and the queue their events reach."""
+    """One HTTP request in flight: its engine requests (one per choice), the queue their events reach, and
+    its deadline (`timeout_s` from now)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float = float("inf")):
         self.loop = loop
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
         self.events: asyncio.Queue = asyncio.Queue()
         self.requests: list[Request] = []
         self.running: set[int] = set()  # worker side: choices not finished yet
@@ -69,6 +79,7 @@ class Metrics:
         self.generated_tokens = Counter("clover_generated_tokens", "Tokens generated", registry=r)
         self.forwards = Counter("clover_forwards", "Batched decoding forwards", registry=r)
         self.cancelled = Counter("clover_cancelled", "Generations dropped before their end (client gone, or a decoding failure)", registry=r)
+        self.timed_out = Counter("clover_timed_out", "Generations ended by the server's per-request time limit", registry=r)
         self.latency = Histogram(
             "clover_request_latency_seconds", "Time from request to last token", ["endpoint"], registry=r,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
@@ -134,6 +145,8 @@ class EngineWorker:
                 command()
                 command = self._next(block=False)
             if self.engine.has_work():
+                self._expire(time.monotonic())
+            if self.engine.has_work():
                 self._step()
 
     def _next(self, block: bool):
@@ -163,6 +176,23 @@ class EngineWorker:
         self._release(len(job.running))
         job.running.clear()
         self._jobs.discard(job)
+
+    def _expire(self, now: float) -> None:
+        """End the jobs past their deadline: each open choice with what it has produced, finish_reason
+        "time_limit"; a job none of whose choices got a batch slot answers 429 instead."""
+        for job in [job for job in self._jobs if job.deadline <= now]:
+            ended = {index: self.engine.end(job.requests[index], "time_limit") for index in sorted(job.running)}
+            self.metrics.timed_out.inc(len(ended))
+            self._release(len(ended))
+            job.running.clear()
+            self._jobs.discard(job)
+            if len(ended) == len(job.requests) and all(c is None or not c.forwards for c in ended.values()):
+                job.post(FailedEvent(429, f"no batch slot came free within the server's time limit of {job.timeout_s:g} s; "
+                                          "retry later", "server_busy"))
+                continue
+            for index, completion in ended.items():
+                request = job.requests[index]  # (None: not in the engine, which a running choice always is)
+                job.post(DoneEvent(index, completion or Completion(request.request_id, [], "time_limit", len(request.prompt_ids), 0, 0, 0)))
 
     def _step(self) -> None:
         try:
