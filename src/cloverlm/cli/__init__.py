@@ -22,6 +22,7 @@ from cloverlm.cli.use import (
 )
 from cloverlm.decoding.params import DecodeParams
 from cloverlm.errors import CloverError
+from cloverlm.serving.schemas import ServerConfig
 from cloverlm.tasks import HELD_OUT, SUITE
 
 
@@ -172,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_block_size, default=DecodeParams.block_size,
                    help="the block size of requests that do not set one, or 'auto' (calibrated)")
     p.add_argument("--threshold", type=float, default=DecodeParams.threshold, help="the unmasking threshold of requests that do not set one")
+    p.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout_s,
+                   help="seconds after which a request ends with finish_reason time_limit")
     p.add_argument("--threads", type=int)
     p.set_defaults(func=cmd_serve)
     return parser

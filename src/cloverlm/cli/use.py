@@ -214,6 +214,6 @@ def cmd_serve(args) -> None:
     config = ServerConfig(
         model_name=args.served_model_name or folder.resolve().name, api_key=args.api_key,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, max_batch_size=args.max_batch_size,
-        block_size=args.block_size, threshold=args.threshold,
+        block_size=args.block_size, threshold=args.threshold, request_timeout_s=args.request_timeout,
     )
     uvicorn.run(create_app(model, tokenizer, config, load_calibration(folder)), host=args.host, port=args.port)
