@@ -235,7 +235,7 @@ def test_cli_generates_and_evaluates_from_a_peer_folder(tmp_path, tokenizer, cap
     assert err.strip() == f"[{len(expected)} tokens, autoregressive: one forward per token]"
     report_path = tmp_path / "eval.json"
     main(["eval", "--model", str(tmp_path / "peer"), "--n", "1", "--tasks", "no_fly_zones", "--messages", "1",
-          "--json", str(report_path)])  # fmt: skip
+          "--free", "--json", str(report_path)])  # fmt: skip
     (example,) = heldout_examples(tokenizer, "no_fly_zones", 1, 1 << 30, n_messages=1)
     tokens = peer_generate(model, example.ids[: example.prompt_length], answer_budget(example), stops)
     report = json.loads(report_path.read_text())["no_fly_zones"]
