@@ -171,18 +171,45 @@ def test_warm_start_records_lineage_and_resumes_with_its_tokens(tmp_path):
     assert resumed.tokens == meta["tokens"] and resumed.parent == meta["parent"]
 
 
+def test_trajectories_are_written_as_they_arrive_and_resume(tokenizer, random_model, tmp_path):
+    """The engine's batched one-token-a-step answers, each with its scores; a rerun adds only the missing."""
+    from cloverlm.training.distill import make_trajectories, read_done
+
+    path = tmp_path / "trajectories.jsonl"
+    first = make_trajectories(random_model, tokenizer, path, 2, {"arithmetic": 1.0}, batch_size=2)
+    assert first["tried"] == 2 and sorted(r["index"] for r in read_done(path)) == [0, 1]
+    record = read_done(path)[0]
+    assert set(record) == {"index", "task", "seed", "prompt_ids", "answer_ids", "kept", "scores"}
+    assert record["kept"] == (record["scores"]["exact"] == 1.0) and record["task"] == "arithmetic"
+    make_trajectories(random_model, tokenizer, path, 3, {"arithmetic": 1.0}, batch_size=2)
+    assert sorted(r["index"] for r in read_done(path)) == [0, 1, 2]  # index 0 and 1 were not decoded again
+
+
 @pytest.mark.slow
-def test_the_distill_recipe_runs_from_the_shipped_adapter(tmp_path):
-    """`clover train --recipe distill` end to end: trajectories of the adapter, then a step on them."""
+def test_the_distill_recipe_trains_on_kept_trajectories(base_tokenizer, tmp_path):
+    """`clover train --recipe distill` end to end on a trajectories file already complete (one kept
+    answer: a reference answer standing in for a right one), so no decoding runs: a step with certainty
+    forcing, and the adapter names its parent."""
+    from cloverlm.training.data import encode_example
+
     out = tmp_path / "distill"
+    out.mkdir()
+    mixture = ConvertConfig().mixture
+    lines = []
+    for index in range(2):
+        example = trajectory_example(index, mixture, 0, 0.3)
+        encoded = encode_example(base_tokenizer, example)
+        answer = encoded.ids[encoded.prompt_length : -1]  # without the end of turn, as the engine returns it
+        lines.append(json.dumps({"index": index, "task": example.task, "seed": example.seed, "kept": index == 0, "scores": {},
+                                 "prompt_ids": encoded.ids[: encoded.prompt_length], "answer_ids": answer}))  # fmt: skip
+    (out / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
     command = [sys.executable, "-m", "cloverlm", "train", "--recipe", "distill", "--init-adapter", str(BASE_TOKENIZER),
-               "--out", str(out), "--trajectories", "3", "--max-steps", "1", "--tokens-per-step", "200", "--threads", "2"]  # fmt: skip
+               "--out", str(out), "--trajectories", "2", "--max-steps", "1", "--tokens-per-step", "200", "--threads", "2"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
-    assert sorted(r["index"] for r in records) == [0, 1, 2]
-    if not any(r["kept"] for r in records):
-        assert "holds no right answer to distil (3 tried)" in done.stderr
-        return
     assert done.returncode == 0, done.stderr[-2000:]
+    assert '"tried": 2, "kept": 1' in done.stdout
     meta = json.loads((out / "adapter" / "clover_adapter.json").read_text())
-    assert meta["config"]["certainty_weight"] == 0.5 and meta["parent"]["path"] == str(BASE_TOKENIZER)
+    assert meta["config"]["certainty_weight"] == 0.5 and meta["config"]["mixture"] == {"distill": 0.75, "chat": 0.25}
+    assert meta["parent"]["path"] == str(BASE_TOKENIZER) and meta["total_steps"] == meta["parent"]["total_steps"] + 1
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert "certainty_entropy" in log[0]
