@@ -8,7 +8,7 @@ token's embedding row) is the shipped delta: `load_adapted` merges it into the b
 
 On CUDA a step runs several packed rows padded to a multiple of `pad_multiple`: the attention kernels
 see a few fixed shapes and plan once, where a new length every step made them plan afresh
-(../shared/adapters/README.md measured 82 ms of GPU time in a 1 s step). The next step's batch is built
+(models/README.md: 82 ms of GPU time in a 1 s step). The next step's batch is built
 on a host thread while the device runs the current one.
 """
 
