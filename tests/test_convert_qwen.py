@@ -90,7 +90,7 @@ def test_block_size_one_reproduces_the_qwen_logits(pair):
         assert (model(ids).logits - reference).abs().max() < 1e-4  # two-stream training forward, blocks of 1
         cache = CloverCache.empty(model.config, 2)
         model.prefill(ids[:, :-1], [8, 8, 4], cache)  # committed tokens are causal: any partition
-        last = model.decode(cache, step_ids=ids[:, -1:])
+        last = model.decode(cache, step_ids=ids[:, -1:]).logits
     assert (last[:, 0] - reference[:, -1]).abs().max() < 1e-4
 
 
@@ -119,7 +119,7 @@ def test_delta_mixing_training_forward_equals_decoding(pair):
             cache = CloverCache.empty(model.config, 1)
             if start:
                 model.prefill(ids[:, :start], [start], cache)
-            step = model.decode(cache, step_ids=noisy[:, start : start + 4])
+            step = model.decode(cache, step_ids=noisy[:, start : start + 4]).logits
             assert (step - train[:, start : start + 4]).abs().max() < 1e-4
         # A denoising step leaves the memory state as it found it (its delta-rule pass is scratch).
         cache = CloverCache.empty(model.config, 1)

@@ -46,7 +46,7 @@ def test_a_position_never_reads_a_draft_after_it():
             model.prefill(ids, [20], cache)
             ids_now = step.clone()
             ids_now[0, 3] += change * 100  # a different draft at slot 3
-            outputs.append(model.decode(cache, step_ids=ids_now, step_causal=drafts))
+            outputs.append(model.decode(cache, step_ids=ids_now, step_causal=drafts).logits)
     torch.testing.assert_close(outputs[0][0, :3], outputs[1][0, :3], rtol=0, atol=0)
     assert not torch.equal(outputs[0][0, 3:], outputs[1][0, 3:])
 
@@ -132,7 +132,7 @@ def test_blocks_committed_in_place_decode_as_recomputed():
         for _ in range(10):
             cache = CloverCache.empty(model.config)
             model.prefill(torch.tensor([sequence[:-1]]), [len(sequence) - 1], cache)
-            token = int(model.decode(cache, step_ids=torch.tensor([[sequence[-1]]]))[0, -1].argmax())
+            token = int(model.decode(cache, step_ids=torch.tensor([[sequence[-1]]])).logits[0, -1].argmax())
             expected.append(token)
             sequence.append(token)
     completion = Engine(model).generate([Request(ids, DecodeParams(max_new_tokens=10, block_size=1))])[0]

@@ -48,10 +48,10 @@ def test_fused_commit_and_step_equals_commit_then_step(preset):
     step_ids[0, 1] = step_ids[1, 3] = MASK
     with torch.no_grad():
         fused_cache = fresh()
-        fused = model.decode(fused_cache, commit_ids, commit_valid, step_ids, step_valid)
+        fused = model.decode(fused_cache, commit_ids, commit_valid, step_ids, step_valid).logits
         separate_cache = fresh()
         model.decode(separate_cache, commit_ids=commit_ids, commit_valid=commit_valid)
-        separate = model.decode(separate_cache, step_ids=step_ids, step_valid=step_valid)
+        separate = model.decode(separate_cache, step_ids=step_ids, step_valid=step_valid).logits
     assert fused_cache.lengths.tolist() == separate_cache.lengths.tolist() == [29, 9, 24]
     torch.testing.assert_close(fused[step_valid], separate[step_valid], atol=1e-5, rtol=1e-5)
 
@@ -68,13 +68,13 @@ def test_batched_rows_equal_each_row_alone():
             model.prefill(torch.tensor([prompt(length, i)]), [length], cache)
             caches.append(cache)
             single = CloverCache.concat([cache])
-            alone.append(model.decode(single, step_ids=torch.tensor([prompt(size, 5 + i)]))[0])
+            alone.append(model.decode(single, step_ids=torch.tensor([prompt(size, 5 + i)])).logits[0])
         ids = torch.full((2, 6), MASK)
         valid = torch.zeros(2, 6, dtype=torch.bool)
         for i, size in enumerate(sizes):
             ids[i, :size] = torch.tensor(prompt(size, 5 + i))
             valid[i, :size] = True
-        batched = model.decode(CloverCache.concat(caches), step_ids=ids, step_valid=valid)
+        batched = model.decode(CloverCache.concat(caches), step_ids=ids, step_valid=valid).logits
     for i, size in enumerate(sizes):
         torch.testing.assert_close(batched[i, :size], alone[i], atol=1e-5, rtol=1e-5)
 
@@ -250,7 +250,7 @@ def forward_bound(request: Request) -> int:
     most confident open one; under a grammar the first masked; under distinct slots one that keeps the
     rest assignable) and a block is done after its step cap: max_steps (threshold rule, no drafts: the
     last step fills every masked position), steps (low_confidence), else its length. The blocks are
-    block_size long but the last, max_new_tokens in all, so the bound is the sum over the blocks of
+    block_size long except the last, max_new_tokens in all, so the bound is the sum over the blocks of
     min(length, cap) <= max_new_tokens. A slot layout is one block: at most one forward per slot."""
     params = request.params
     if request.slots is not None:

@@ -11,6 +11,8 @@ import torch
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.grammar import GrammarError, Grammars
 from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.decoding.row import DecodeRow
+from cloverlm.decoding.unmask import unmask
 from cloverlm.serving.text import parse_tool_calls
 from cloverlm.tokenizer import stop_token_ids
 from conftest import tiny_model
@@ -110,6 +112,9 @@ class _Digits:
         mask[[self.end_id] if len(self.seen) >= self.count else self.digit_ids] = True
         return mask
 
+    def allows(self, token):
+        return bool(self.allowed()[token])
+
     def advance(self, token):
         assert self.allowed()[token], "the engine committed a token the grammar forbids"
         self.seen.append(token)
@@ -176,3 +181,86 @@ def test_cancel_drops_a_request_and_leaves_the_others_unchanged():
     done = engine.run()
     assert [c.tokens for c in done] == [alone]
     assert not engine.cancel(keep)
+
+
+class _Counting:
+    """A constraint wrapper counting full masks; with shortcut=False it never answers `allows`, so the
+    engine decides every target under its full mask (the reference for the shortcut)."""
+
+    def __init__(self, inner, shortcut: bool):
+        self.inner, self.shortcut, self.masks = inner, shortcut, 0
+
+    def allowed(self):
+        self.masks += 1
+        return self.inner.allowed()
+
+    def allows(self, token):
+        return self.shortcut and self.inner.allows(token)
+
+    def advance(self, token):
+        self.inner.advance(token)
+
+    def forced(self):
+        return self.inner.forced()
+
+
+def _wrapped_requests(tokenizer, grammars, shortcut, **params):
+    requests = []
+    for index, schema in enumerate(SCHEMAS):
+        threshold = (1e-5, 2e-4, 0.9)[index % 3]
+        for request in _requests(tokenizer, grammars, schema, block_size=8, threshold=threshold, **params):
+            request.constraint = _Counting(request.constraint, shortcut)
+            requests.append(request)
+    return requests
+
+
+def test_the_grammar_shortcut_gives_the_tokens_of_masking_every_target(tokenizer, random_model, grammars):
+    """Asking the grammar about the unconstrained choice first (cloverlm.decoding.unmask._constrained) changes
+    no token, and computes fewer masks."""
+    fast = _wrapped_requests(tokenizer, grammars, shortcut=True)
+    reference = _wrapped_requests(tokenizer, grammars, shortcut=False)
+    got = Engine(random_model, max_batch_size=16).generate(fast)
+    want = Engine(random_model, max_batch_size=16).generate(reference)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert [c.forwards for c in got] == [c.forwards for c in want]
+    masks, reference_masks = sum(r.constraint.masks for r in fast), sum(r.constraint.masks for r in reference)
+    assert masks < reference_masks, (masks, reference_masks)  # a random model is rarely grammar-valid by itself
+
+
+def test_lookahead_keeps_every_answer_grammar_valid(tokenizer, random_model, grammars):
+    """With unchecked choices right of the grammar's reach (Engine(lookahead=True)) every answer still
+    validates: an unchecked choice stays only where the grammar allows it when it gets there."""
+    requests = _wrapped_requests(tokenizer, grammars, shortcut=True)
+    completions = Engine(random_model, max_batch_size=16, lookahead=True).generate(requests)
+    for completion, schema in zip(completions, [s for s in SCHEMAS for _ in range(2)]):
+        text = tokenizer.decode(completion.tokens)
+        assert completion.finish_reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def _peaked(vocab, tokens):
+    """Logits [n, V]: a sure choice where `tokens` names one, flat where it holds None."""
+    logits = torch.zeros(len(tokens), vocab)
+    for position, token in enumerate(tokens):
+        if token is not None:
+            logits[position, token] = 20.0
+    return logits
+
+
+def test_lookahead_keeps_unchecked_choices_the_grammar_allows_and_redecides_the_others():
+    """The rule itself, on hand-made logits: step 1 decides 21 and stops at an unsure target; the sure
+    choices right of it (22, 22, 40, 22, 22) wait. Step 2 decides 23, keeps the unchecked 22s and replaces
+    the 40, which the grammar (digits 20..29) forbids, with its own choice there (24)."""
+    vocab, mask = 64, 2
+    constraint = _Digits(list(range(20, 30)), 25, 0, vocab, 8)
+    row = DecodeRow(Request([7, 8], DecodeParams(block_size=8, threshold=0.5), constraint=constraint), 0, mask, 0)
+    row.start_block(8)
+    assert row.block.tolist() == [25] + [mask] * 7  # the forced first digit
+    first = _peaked(vocab, [None, 21, None, 22, 22, 40, 22, 22])
+    assert unmask([row], first[None], lookahead=True) == [False]
+    assert row.block.tolist() == [25, 21, mask, 22, 22, 40, 22, 22]
+    assert row.unchecked.tolist() == [False, False, False, True, True, True, True, True]
+    second = _peaked(vocab, [None, None, 23, None, None, 24, None, None])
+    assert unmask([row], second[None], lookahead=True) == [True]
+    assert row.block.tolist() == [25, 21, 23, 22, 22, 24, 22, 22] and not row.unchecked.any()
+    assert constraint.seen == row.block.tolist()

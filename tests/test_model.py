@@ -31,7 +31,7 @@ def test_two_stream_equals_decoding_path(preset):
         cache = CloverCache.empty(model.config, batch=2)
         start = 0
         for size in SIZES:
-            step = model.decode(cache, step_ids=xt[:, start : start + size])
+            step = model.decode(cache, step_ids=xt[:, start : start + size]).logits
             torch.testing.assert_close(step, parallel[:, start : start + size], atol=1e-4, rtol=1e-4)
             model.decode(cache, commit_ids=x0[:, start : start + size])
             start += size
@@ -73,7 +73,7 @@ def test_prefill_equals_block_by_block_commits(model):
                     torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
         block = torch.full((2, 4), 2)
         torch.testing.assert_close(
-            model.decode(parallel, step_ids=block), model.decode(sequential, step_ids=block), atol=1e-5, rtol=1e-5
+            model.decode(parallel, step_ids=block).logits, model.decode(sequential, step_ids=block).logits, atol=1e-5, rtol=1e-5
         )
 
 

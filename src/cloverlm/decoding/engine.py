@@ -3,7 +3,7 @@
 Shifted convention (docs/design.md section 1a): every slot predicts the token after it. A block that will hold
 tokens x_s .. x_{s+B-1} is run as [x_{s-1}, x_s or MASK, ..., x_{s+B-2} or MASK] at positions
 s-1 .. s+B-2, so its first slot is the last committed token and the cache lags one token behind the
-text. Per request: the prompt but its last token is prefilled as clean blocks of the request's block
+text. Per request: the prompt except its last token is prefilled as clean blocks of the request's block
 size; the last prompt token opens the first block. Each denoising step runs the block against the
 request's cache and unmasks positions by one of two rules:
 
@@ -23,9 +23,10 @@ request's result is the same as decoding it alone (greedy), tested.
 
 Constrained decoding: a request may carry a `Constraint` (a grammar over token ids, e.g. a JSON
 schema). A grammar reads left to right, so under one only the leftmost run of masked positions may be
-unmasked in a step: the first masked position always, each next one while its grammar-masked choice
+decided in a step: the first masked position always, each next one while its grammar-masked choice
 passes the rule; every candidate is drawn from logits masked by the grammar state after the tokens
-before it. Tokens the grammar forces (e.g. `{"name":`) are filled in without a model step.
+before it. Tokens the grammar forces (e.g. `{"name":`) are filled in without a model step. The rules
+themselves live in cloverlm.decoding.unmask; the engine runs the forwards and the blocks' lives.
 
 Slots: a request may instead give its whole answer as a fixed layout (`Slots`): one block holding the
 layout's tokens with [MASK] at the slots, each slot restricted to its options. The slots are unmasked by
@@ -42,6 +43,7 @@ import torch
 
 from cloverlm.decoding.params import (
     AUTO,
+    MAX_BATCH_SIZE,
     BlockRecord,
     Completion,
     Request,
@@ -49,7 +51,7 @@ from cloverlm.decoding.params import (
     drafts_supported,
 )
 from cloverlm.decoding.row import DecodeRow
-from cloverlm.decoding.unmask import choose_tokens, greedy, threshold_accept
+from cloverlm.decoding.unmask import unmask
 from cloverlm.errors import CloverError, check_token_ids
 from cloverlm.model.cache import CloverCache
 from cloverlm.model.clover import CloverForBlockDiffusion
@@ -64,14 +66,16 @@ class Engine:
     """
 
     def __init__(
-        self, model: CloverForBlockDiffusion, max_batch_size: int = 16, calibration=None, record_blocks: bool = False,
-        batched_unmask: bool = True,
+        self, model: CloverForBlockDiffusion, max_batch_size: int = MAX_BATCH_SIZE, calibration=None, record_blocks: bool = False,
+        batched_unmask: bool = True, lookahead: bool = False,
     ):
         """calibration: a `cloverlm.decoding.calibration.Calibration`, needed for block_size="auto".
         record_blocks: keep a BlockRecord per finished block in each Completion (calibration fitting).
         batched_unmask=False decides every row on the host, one by one (the reference the batched rule
-        is tested against)."""
+        is tested against). lookahead: under a grammar, keep confident choices right of the grammar's
+        reach, unchecked until it gets there (cloverlm.decoding.unmask)."""
         self.batched_unmask = batched_unmask
+        self.lookahead = lookahead
         if max_batch_size < 1:
             raise CloverError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model = model.eval()
@@ -104,7 +108,7 @@ class Engine:
             raise CloverError('block_size="auto" needs a calibrated model: run `clover calibrate --model DIR` first')
         if request.slots is not None:
             self._check_slots(request)
-        self.waiting.append(DecodeRow(request, self._submitted, self.config.mask_token_id))
+        self.waiting.append(DecodeRow(request, self._submitted, self.config.mask_token_id, self.config.eos_token_id))
         self._submitted += 1
 
     def _check_slots(self, request: Request) -> None:
@@ -145,7 +149,7 @@ class Engine:
         if row is None:
             return None
         self.cancel(request)
-        row.finish_reason = reason
+        row.finish_reason = reason  # its own: the row was decoding and is dropped as it stands
         return self._completion(row)
 
     def _completion(self, row: DecodeRow) -> Completion:
@@ -186,7 +190,7 @@ class Engine:
             if history:
                 partition = fixed_partition(len(history), size)
                 ids = torch.tensor([history], device=self.device)
-                row.last_hidden = self.model.prefill(ids, partition, cache)[0].float().cpu()
+                row.prefilled(self.model.prefill(ids, partition, cache)[0].float().cpu())
                 # the whole answer's keys fit without regrowing (a block may overhang the budget)
                 cache.reserve(len(prompt) + row.params.max_new_tokens + self.config.max_block_size)
             if row.request.slots is not None:
@@ -208,39 +212,32 @@ class Engine:
         if not self.rows:
             return []
         pad = self.config.mask_token_id
-        if any(row.written_commit for row in self.rows):
-            self.cache.keep_written(torch.tensor([row.written_commit for row in self.rows]))
-            for row in self.rows:
-                row.written_commit = 0
+        written = [row.take_written_commit() for row in self.rows]
+        if any(written):
+            self.cache.keep_written(torch.tensor(written))
         commits = [row.pending_commit or [] for row in self.rows]
         commit_ids = commit_valid = None
         if any(commits):
             commit_ids, commit_valid = _pad([torch.tensor(c, dtype=torch.long) for c in commits], pad, self.device)
-        inputs = [row.step_inputs() for row in self.rows]
-        for row, (ids, causal) in zip(self.rows, inputs):
-            row.step_ids, row.step_causal = ids, causal
+        inputs = [row.prepare_step() for row in self.rows]
         step_ids, step_valid = _pad([ids for ids, _ in inputs], pad, self.device)
         step_causal = None
         if any(bool(drafts.any()) for _, drafts in inputs):
             step_causal = _pad([drafts.long() for _, drafts in inputs], 0, self.device)[0].bool()
         logits, hidden = self.model.decode(
-            self.cache, commit_ids, commit_valid, step_ids, step_valid, return_hidden=True, step_causal=step_causal
+            self.cache, commit_ids, commit_valid, step_ids, step_valid, step_causal=step_causal
         )
         logits[..., self.config.mask_token_id] = float("-inf")  # never "unmask" to [MASK]
         ends = torch.tensor([len(row.block) - 1 for row in self.rows], device=hidden.device)
         last_hidden = hidden[torch.arange(len(self.rows), device=hidden.device), ends].float().cpu()
         self.forwards += 1
         for index, row in enumerate(self.rows):  # before denoising: a block finished now sets its commit
-            row.pending_commit = None
-            row.forwards += 1
-            row.last_hidden = last_hidden[index]
-        plain = [index for index, row in enumerate(self.rows) if self._is_plain(row)]
-        if plain:
-            self._denoise_plain([self.rows[i] for i in plain], logits[plain])
+            row.after_forward(last_hidden[index])
+        decided = unmask(self.rows, logits, batched=self.batched_unmask, lookahead=self.lookahead)
         finished, keep = [], []
-        for index, row in enumerate(self.rows):
-            if index not in plain:
-                self._denoise(row, logits[index, : len(row.block)].float().cpu())
+        for index, (row, block_done) in enumerate(zip(self.rows, decided)):
+            if block_done:
+                self._end_block(row)
             if row.finish_reason is None:
                 keep.append(index)
             else:
@@ -249,6 +246,12 @@ class Engine:
             self.rows = [self.rows[i] for i in keep]
             self.cache = self.cache.select(keep) if keep else None
         return finished
+
+    def _end_block(self, row: DecodeRow) -> None:
+        row.finish_block(self.record_blocks)
+        if row.finish_reason is None:
+            size = self.calibration.choose(row.last_hidden) if row.params.block_size == AUTO else row.params.block_size
+            row.next_block(size, self._commit_in_place(row))
 
     def _commit_in_place(self, row: DecodeRow) -> bool:
         """Whether the finished block's last step computed its commit already: same inputs (all final),
@@ -262,135 +265,6 @@ class Engine:
         if self.config.causal_clean_stream:
             return bool(row.step_causal[1:].all())
         return not bool(row.step_causal.any())
-
-    def _is_plain(self, row: DecodeRow) -> bool:
-        """Rows whose step the batched rule decides: greedy threshold decoding without grammar or slots."""
-        params = row.params
-        return (self.batched_unmask and params.strategy == "threshold" and params.temperature < 1e-6
-                and row.request.constraint is None and row.allowed is None)
-
-    def _denoise_plain(self, rows: list[DecodeRow], logits: torch.Tensor) -> None:
-        """The threshold rule for many rows at once, on the model's device: only the chosen ids and their
-        confidences ([rows, n] each) come to the host. The same tokens as `_denoise` (tested)."""
-        tokens, confidence = greedy(logits)
-        tokens, confidence = tokens.cpu(), confidence.cpu()
-        width = tokens.shape[1]
-        open_ = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, row in enumerate(rows):
-            n = len(row.block)
-            open_[i, :n] = (row.block == row.mask_id) & row.eligible(tokens[i, :n])
-        thresholds = torch.tensor([[row.params.threshold] for row in rows], dtype=confidence.dtype)
-        last = torch.tensor([row.last_step() for row in rows])
-        accept = threshold_accept(confidence, open_, thresholds, last)
-        for i, row in enumerate(rows):
-            n = len(row.block)
-            row.block = torch.where(accept[i, :n], tokens[i, :n], row.block)
-            self._end_step(row)
-
-    def _denoise(self, row: DecodeRow, logits: torch.Tensor) -> None:
-        params = row.params
-        if row.request.constraint is not None:
-            self._denoise_constrained(row, logits)
-            return
-        if row.allowed is not None:
-            logits = logits.masked_fill(~row.allowed, float("-inf"))
-        masked = row.block == row.mask_id
-        tokens, confidence = choose_tokens(logits, params, row.generator)
-        if params.strategy == "threshold":
-            accept = threshold_accept(confidence, masked & row.eligible(tokens), params.threshold, row.last_step())
-        else:
-            confidence = torch.where(masked, confidence, torch.full_like(confidence, -1.0))
-            accept = torch.zeros_like(masked)
-            accept[confidence.topk(min(row.transfer_count(), int(masked.sum()))).indices] = True
-        distinct = row.allowed is not None and row.request.slots.distinct
-        if distinct:
-            accept = self._distinct(row, tokens, confidence, accept)
-        row.block = torch.where(accept, tokens, row.block)
-        if distinct:
-            row.keep_assignable()
-        self._end_step(row)
-
-    @staticmethod
-    def _distinct(row: DecodeRow, tokens: torch.Tensor, confidence: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
-        """Slots with distinct answers: the slots accepted in this step, most confident first, keep their
-        token while every open slot can still get a different one; the others stay masked. The first
-        always keeps it (open slots are kept to assignable options), so each step unmasks a slot."""
-        keep = torch.zeros_like(accept)
-        fixed: dict[int, int] = {}
-        choices = row.assignable_choices()
-        for position in sorted(accept.nonzero()[:, 0].tolist(), key=lambda p: -float(confidence[p])):
-            token = int(tokens[position])
-            if token in choices.get(position, ()):
-                keep[position] = True
-                fixed[position] = token
-                choices = row.assignable_choices(fixed)
-        return keep
-
-    def _denoise_constrained(self, row: DecodeRow, logits: torch.Tensor) -> None:
-        """Unmask the leftmost run of masked positions, each drawn under the grammar state after the ones
-        before it; forced tokens are filled in between at no cost."""
-        params, constraint = row.params, row.request.constraint
-        stops = set(params.stop_token_ids) | {self.config.eos_token_id}
-        last_step = row.last_step()
-        budget = len(row.block) if params.strategy == "threshold" else row.transfer_count()
-        position = int((row.block == row.mask_id).nonzero()[0])
-        accepted = 0
-        while position < len(row.block) and accepted < budget:
-            allowed = constraint.allowed()
-            masked_logits = logits[position].masked_fill(~allowed[: logits.shape[-1]], float("-inf"))
-            token, confidence = (t.item() for t in choose_tokens(masked_logits[None], params, row.generator))
-            if accepted and params.strategy == "threshold" and not last_step and confidence < params.threshold:
-                break
-            row.block[position] = token
-            accepted += 1
-            if token in stops:  # the rest of the block is cut at the stop anyway
-                row.block[position:] = token
-                break
-            constraint.advance(token)
-            position = row.fill_forced(position + 1)
-        self._end_step(row)
-
-    def _end_step(self, row: DecodeRow) -> None:
-        row.block_steps += 1
-        row.steps += 1
-        if row.request.on_step is not None:
-            row.request.on_step(row.request, row.block.tolist())
-        if not bool((row.block == row.mask_id).any()):
-            self._finish_block(row)
-
-    def _finish_block(self, row: DecodeRow) -> None:
-        params = row.params
-        row.blocks += 1
-        if self.record_blocks and row.block_start_hidden is not None:
-            row.block_records.append(BlockRecord(row.block_start_hidden, len(row.block), row.block_steps))
-        stops = set(params.stop_token_ids) | {self.config.eos_token_id}
-        before = len(row.generated)
-        for token in row.block.tolist():
-            if token in stops:
-                row.finish_reason = "stop"
-                break
-            row.generated.append(token)
-        if row.finish_reason is None and params.stop is not None:
-            keep = params.stop(row.generated)
-            if keep is not None:
-                del row.generated[keep:]
-                row.finish_reason = "stop"
-        if row.finish_reason is None and row.request.slots is not None:
-            row.finish_reason = "stop"  # the layout is the whole answer
-        if row.finish_reason is None and len(row.generated) >= params.max_new_tokens:
-            row.finish_reason = "length"
-        if row.request.on_block is not None and len(row.generated) > before:
-            row.request.on_block(row.request, row.generated[before:])
-        if row.finish_reason is None:
-            if row.lookup is not None:
-                row.lookup.extend(row.block.tolist())
-            if self._commit_in_place(row):
-                row.written_commit = len(row.block)
-            else:
-                row.pending_commit = row.block_inputs().tolist()
-            row.last_token = int(row.block[-1])
-            size = self.calibration.choose(row.last_hidden) if params.block_size == AUTO else params.block_size
-            row.start_block(size)
 
 
 def _pad(blocks: list[torch.Tensor], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+import llguidance.torch
 import torch
 from jsonschema import Draft202012Validator, SchemaError
 
@@ -21,7 +22,7 @@ from cloverlm.errors import CloverError
 from cloverlm.tokenizer import MASK_TOKEN, PAD_TOKEN, TOOL_CALL_END, TOOL_CALL_START
 
 COMPACT = {"whitespace_flexible": False}
-_BITS = torch.arange(8, dtype=torch.uint8)
+_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(CloverError):
@@ -100,6 +101,7 @@ class GrammarConstraint:
         self.grammars = grammars
         self.end_mask = torch.zeros(grammars.vocab_size, dtype=torch.bool)
         self.end_mask[grammars.end_ids] = True
+        self.words = torch.zeros(llguidance.torch.get_bitmask_shape(1, grammars.lltokenizer.vocab_size)[1], dtype=torch.int32)
 
     def copy(self) -> GrammarConstraint:
         """The same grammar in its current state, for another choice of the same request (n > 1)."""
@@ -108,13 +110,22 @@ class GrammarConstraint:
     def allowed(self) -> torch.Tensor:
         if self.matcher.is_stopped():  # finished (or failed): only an end token may follow
             return self.end_mask
-        packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        allowed = ((packed[:, None] >> _BITS) & 1).bool().flatten()  # little-endian: bit i of byte b is token 8b+i
+        # llguidance writes the mask as int32 words, bit i of word w standing for token 32w + i
+        self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * self.words.element_size())
+        allowed = ((self.words[:, None] >> _BITS) & 1).bool().flatten()
         mask = torch.zeros(self.grammars.vocab_size, dtype=torch.bool)
         width = min(len(allowed), self.grammars.vocab_size)
         mask[:width] = allowed[:width]
         mask[self.grammars.banned] = False
         return mask if bool(mask.any()) else self.end_mask
+
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next, without computing the whole mask (a walk of its bytes)."""
+        if self.matcher.is_stopped():
+            return bool(self.end_mask[token])
+        if token in self.grammars.banned or token >= self.grammars.lltokenizer.vocab_size:
+            return False
+        return self.matcher.validate_tokens([token]) == 1
 
     def advance(self, token: int) -> None:
         self.matcher.consume_token(token)

@@ -14,6 +14,8 @@ from cloverlm.model.config import MEMORY
 
 STRATEGIES = ("threshold", "low_confidence")
 AUTO = "auto"
+# How many requests one engine decodes in a batch, unless its owner says otherwise (engine, server, cli).
+MAX_BATCH_SIZE = 16
 
 
 @dataclass
@@ -73,6 +75,10 @@ class Constraint(Protocol):
     def allowed(self) -> torch.Tensor:
         """Bool [vocab] of the tokens that may come next; never empty (a finished grammar allows its end
         tokens, which should be stop tokens of the request)."""
+        ...
+
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next: `allowed()[token]`, cheaper where the grammar can tell."""
         ...
 
     def advance(self, token: int) -> None:

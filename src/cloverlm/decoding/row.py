@@ -1,4 +1,5 @@
-"""One request's decoding state in the engine's batch: its block, draft, constraint and slots."""
+"""One request's decoding state in the engine's batch: its block, draft, constraint and slots, and every
+change to that state (the engine decides when; the row knows how)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,18 @@ from cloverlm.decoding.params import BlockRecord, Request, distinct_choices
 
 
 class DecodeRow:
-    """A request in flight: its current block and what it has produced."""
+    """A request in flight: its current block and what it has produced.
 
-    def __init__(self, request: Request, order: int, mask_id: int):
+    `block` holds the tokens the current block decides (its targets), [MASK] where not yet chosen. Under
+    a grammar a target may also be *unchecked*: a confident choice right of the grammar's reach, read by
+    the model like a decided token and kept or remasked when the grammar gets to it."""
+
+    def __init__(self, request: Request, order: int, mask_id: int, eos_id: int):
         self.request = request
         self.order = order
         self.params = request.params
         self.mask_id = mask_id
+        self.stops = set(self.params.stop_token_ids) | {eos_id}
         self.generated: list[int] = []
         self.last_token = request.prompt_ids[-1]  # slot 0 of the next block: the last token not in the cache
         self.pending_commit: list[int] | None = None  # the finished block's inputs, committed with the next step
@@ -30,40 +36,66 @@ class DecodeRow:
         self.finish_reason: str | None = None
         self.last_hidden: torch.Tensor | None = None  # final hidden state of the last position decoded
         self.block_records: list[BlockRecord] = []
-        self.allowed: torch.Tensor | None = None  # [block, V] under Slots: the tokens each position may take
         seed = self.params.seed if self.params.seed is not None else random.randrange(2**63)
         self.generator = torch.Generator().manual_seed(seed)
         # no index where every block is one token: such a block reads no draft (step_inputs)
         self.lookup = PromptLookup(request.prompt_ids) if self.params.draft and self.params.block_size != 1 else None
+        # the current block (start_block / start_slots)
+        self.block = torch.zeros(0, dtype=torch.long)
+        self.unchecked = torch.zeros(0, dtype=torch.bool)  # [block]: choices the grammar has not reached yet
+        self.block_steps = 0
+        self.initially_masked = 0
+        self.block_start_hidden: torch.Tensor | None = None
         self.drafted = torch.zeros(0, dtype=torch.bool)  # [block]: targets the current step reads as drafts
-        self.draft = None  # [block] the drafted tokens (where drafted)
+        self.draft: torch.Tensor | None = None  # [block] the drafted tokens (where drafted)
+        # slots: the tokens each position may take ([block, V]) and where the slots are
+        self.allowed: torch.Tensor | None = None
+        self.slot_positions: list[int] = []
+
+    # -- a block's life --
 
     def start_block(self, block_size: int) -> None:
-        """`block` holds the tokens the block decides (its targets), [MASK] where not yet chosen."""
         size = min(block_size, self.params.max_new_tokens - len(self.generated))
         self.block_start_hidden = self.last_hidden
         self.block = torch.full((size,), self.mask_id)
+        self.unchecked = torch.zeros(size, dtype=torch.bool)
         self.block_steps = 0
         self.initially_masked = size
-        # Forced tokens fill the new block, but one position stays masked: the block is run anyway (the
-        # forward commits the previous one), and a block with nothing masked would never be stepped.
+        # Forced tokens fill the new block, except one position that stays masked: the block is run anyway
+        # (the forward commits the previous one), and a block with nothing masked would never be stepped.
         self.fill_forced(0, keep_masked=1)
 
+    def start_slots(self, vocab_size: int) -> None:
+        slots = self.request.slots
+        self.block_start_hidden = self.last_hidden
+        self.block = torch.tensor([self.mask_id if token is None else token for token in slots.layout])
+        self.unchecked = torch.zeros(len(self.block), dtype=torch.bool)
+        self.block_steps = 0
+        self.initially_masked = len(slots.options)
+        self.allowed = torch.ones(len(self.block), vocab_size, dtype=torch.bool)
+        self.slot_positions = [i for i, token in enumerate(slots.layout) if token is None]
+        for position, options in zip(self.slot_positions, slots.options):
+            self.allowed[position] = False
+            self.allowed[position, options] = True
+        if slots.distinct:
+            self.keep_assignable()
+
     def block_inputs(self) -> torch.Tensor:
-        """The block as the model reads it: the last committed token, then the targets but the last."""
+        """The block as the model reads it: the last committed token, then all targets except the last."""
         return torch.cat([torch.tensor([self.last_token]), self.block[:-1]])
 
-    def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The inputs of the next step and which of them are drafts ([block] each). Without drafts these
-        are block_inputs() and no draft. A draft runs from the first masked target on and stops before
-        the first target already decided otherwise. A one-token block reads no draft (its only input is
-        the committed token), so it gets none."""
+    def prepare_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs of the next step and which of them read causally ([block] each), kept as the step's.
+        Without drafts these are block_inputs() and none. A draft runs from the first masked target on
+        and stops before the first target already decided otherwise. A one-token block reads no draft
+        (its only input is the committed token), so it gets none."""
         size = len(self.block)
         self.drafted = torch.zeros(size, dtype=torch.bool)
+        self.step_ids, self.step_causal = self.block_inputs(), self.drafted
         masked = self.block == self.mask_id
         if (self.lookup is None or size == 1 or self.request.constraint is not None or self.allowed is not None
                 or not bool(masked.any())):
-            return self.block_inputs(), self.drafted
+            return self.step_ids, self.step_causal
         first = int(masked.nonzero()[0])
         proposal = self.lookup.propose(self.block[:first].tolist(), size - first)
         draft = self.block.clone()
@@ -78,34 +110,105 @@ class DecodeRow:
             draft[position] = token
             self.drafted[position] = True
         self.draft = draft
-        inputs = torch.cat([torch.tensor([self.last_token]), draft[:-1]])
-        if not bool(self.drafted.any()):
-            return inputs, self.drafted
-        # Input slot j holds target j - 1: from the first drafted input on, the block is read causally.
-        return inputs, torch.arange(size) > int(self.drafted.nonzero()[0])
+        self.step_ids = torch.cat([torch.tensor([self.last_token]), draft[:-1]])
+        if bool(self.drafted.any()):
+            # Input slot j holds target j - 1: from the first drafted input on, the block is read causally.
+            self.step_causal = torch.arange(size) > int(self.drafted.nonzero()[0])
+        return self.step_ids, self.step_causal
+
+    def prefilled(self, last_hidden: torch.Tensor) -> None:
+        """The prompt (except its last token) is in the cache; `last_hidden` is its last position's state."""
+        self.last_hidden = last_hidden
+
+    def take_written_commit(self) -> int:
+        """How many keys the last step wrote that stand as the finished block's commit (then none)."""
+        written, self.written_commit = self.written_commit, 0
+        return written
+
+    def after_forward(self, last_hidden: torch.Tensor) -> None:
+        """A forward ran this row's step (and committed its finished block, if one was pending)."""
+        self.pending_commit = None
+        self.forwards += 1
+        self.last_hidden = last_hidden
+
+    def accept(self, tokens: torch.Tensor, accept: torch.Tensor) -> None:
+        """Decide the targets where `accept` ([block] bool) holds, as `tokens`."""
+        self.block = torch.where(accept, tokens, self.block)
+
+    def decide(self, position: int, token: int) -> None:
+        self.block[position] = token
+        self.unchecked[position] = False
+
+    def remask(self, position: int) -> None:
+        self.block[position] = self.mask_id
+        self.unchecked[position] = False
+
+    def stop_at(self, position: int) -> None:
+        """The target at `position` is a stop: the rest of the block is cut there anyway."""
+        self.block[position:] = self.block[position].clone()
+        self.unchecked[position:] = False
+
+    def hold(self, tokens: torch.Tensor, keep: torch.Tensor) -> None:
+        """Choose `tokens` where `keep` ([block] bool) holds, unchecked until the grammar reaches them."""
+        self.accept(tokens, keep)
+        self.unchecked |= keep
+
+    def end_step(self) -> bool:
+        """Count a denoising step; whether the block is decided (nothing masked or unchecked)."""
+        self.block_steps += 1
+        self.steps += 1
+        if self.request.on_step is not None:
+            self.request.on_step(self.request, self.block.tolist())
+        return not bool((self.block == self.mask_id).any() or self.unchecked.any())
+
+    def finish_block(self, record: bool) -> list[int]:
+        """The decided block's tokens join the answer up to a stop; sets finish_reason when the answer is
+        over. Returns the tokens that became final."""
+        self.blocks += 1
+        if record and self.block_start_hidden is not None:
+            self.block_records.append(BlockRecord(self.block_start_hidden, len(self.block), self.block_steps))
+        before = len(self.generated)
+        for token in self.block.tolist():
+            if token in self.stops:
+                self.finish_reason = "stop"
+                break
+            self.generated.append(token)
+        if self.finish_reason is None and self.params.stop is not None:
+            keep = self.params.stop(self.generated)
+            if keep is not None:
+                del self.generated[keep:]
+                self.finish_reason = "stop"
+        if self.finish_reason is None and self.request.slots is not None:
+            self.finish_reason = "stop"  # the layout is the whole answer
+        if self.finish_reason is None and len(self.generated) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        new = self.generated[before:]
+        if self.request.on_block is not None and new:
+            self.request.on_block(self.request, new)
+        return new
+
+    def next_block(self, block_size: int, commit_in_place: bool) -> None:
+        """Open the next block after a finished one: its inputs become history, written by the last step
+        already (commit_in_place) or committed with the next one."""
+        if self.lookup is not None:
+            self.lookup.extend(self.block.tolist())
+        if commit_in_place:
+            self.written_commit = len(self.block)
+        else:
+            self.pending_commit = self.block_inputs().tolist()
+        self.last_token = int(self.block[-1])
+        self.start_block(block_size)
+
+    # -- rules' helpers --
 
     def eligible(self, tokens: torch.Tensor) -> torch.Tensor:
         """[block] targets whose prediction read only drafts the model confirmed: those up to the first
         drafted target where the model's choice differs from the draft (all, without drafts). A target
-        reads only the drafts before it (step_inputs makes the drafted part of the block causal)."""
+        reads only the drafts before it (prepare_step makes the drafted part of the block causal)."""
         wrong = (self.drafted & (tokens != self.draft)).nonzero() if bool(self.drafted.any()) else None
         if wrong is None or not len(wrong):
             return torch.ones(len(self.block), dtype=torch.bool)
         return torch.arange(len(self.block)) <= int(wrong[0])
-
-    def start_slots(self, vocab_size: int) -> None:
-        slots = self.request.slots
-        self.block_start_hidden = self.last_hidden
-        self.block = torch.tensor([self.mask_id if token is None else token for token in slots.layout])
-        self.block_steps = 0
-        self.initially_masked = len(slots.options)
-        self.allowed = torch.ones(len(self.block), vocab_size, dtype=torch.bool)
-        self.slot_positions = [i for i, token in enumerate(slots.layout) if token is None]
-        for position, options in zip(self.slot_positions, slots.options):
-            self.allowed[position] = False
-            self.allowed[position, options] = True
-        if slots.distinct:
-            self.keep_assignable()
 
     def assignable_choices(self, fixed: dict[int, int] | None = None) -> dict[int, set[int]]:
         """Distinct slots: per open slot (masked, and not in `fixed`, {position: token}), the options that
@@ -124,14 +227,14 @@ class DecodeRow:
             self.allowed[position, sorted(choices)] = True
 
     def fill_forced(self, start: int, keep_masked: int = 0) -> int:
-        """Under a constraint, write the grammar's forced tokens from position `start` on (the first masked
-        one); returns the position after them."""
+        """Under a constraint, write the grammar's forced tokens from position `start` on (the first
+        undecided one); returns the position after them."""
         constraint = self.request.constraint
         if constraint is None:
             return start
         room = max(len(self.block) - keep_masked - start, 0)
         for token in constraint.forced()[:room]:
-            self.block[start] = token
+            self.decide(start, token)
             constraint.advance(token)
             start += 1
         return start

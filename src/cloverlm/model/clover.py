@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -137,6 +138,11 @@ class CloverPreTrainedModel(PreTrainedModel):
                 module.attn_log_temperature.zero_()
 
 
+class DecodeOutput(NamedTuple):
+    logits: torch.Tensor | None  # [B, ns, V]
+    hidden: torch.Tensor | None  # [B, ns, H], normed
+
+
 @dataclass
 class CloverOutput(ModelOutput):
     logits: torch.Tensor | None = None
@@ -173,7 +179,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
 
     def forward(
         self, input_ids, noisy_input_ids=None, block_sizes=None, logits_mask=None, noisy_blocks: NoisyBlocks | None = None,
-        clean_logits_mask=None, **kwargs,
+        clean_logits_mask=None,
     ) -> CloverOutput:
         """Two-stream training pass over the clean stream input_ids = x_0 [B, L] and a noisy stream:
         either noisy_input_ids = x_t [B, L], one noisy copy of every block, or `noisy_blocks`, noisy
@@ -184,7 +190,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         clean_logits_mask [B, L] adds the clean stream's logits at those positions (clean_logits).
         """
         self._check_ids(input_ids)
-        batch, length = input_ids.shape
+        length = input_ids.shape[1]
         if noisy_blocks is not None:
             if any(kind == MEMORY for kind in self.config.layer_types):
                 raise CloverError("noisy_blocks needs an all-attention stack; give noisy_input_ids for memory layers")
@@ -232,15 +238,14 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         return self.model.norm(h[:, -1])
 
     def decode(
-        self, cache: CloverCache, commit_ids=None, commit_valid=None, step_ids=None, step_valid=None, return_hidden=False,
-        step_causal=None,
-    ):
+        self, cache: CloverCache, commit_ids=None, commit_valid=None, step_ids=None, step_valid=None, step_causal=None,
+    ) -> DecodeOutput:
         """One decoding forward for a batch of rows: commit a clean block and/or run a denoising step.
 
         commit_ids [B, nc] are folded into the cache (row b: its first commit_valid[b].sum() tokens), then
         step_ids [B, ns] read the updated history without writing it. Both in one pass: at every layer the
         clean block updates the cache before the new block reads it (docs/design.md section 4). Returns the step's
-        logits [B, ns, V], or None without a step; with return_hidden, (logits, final normed hidden [B, ns, H]).
+        logits [B, ns, V] and final normed hidden states [B, ns, H] (both None without a step).
         step_causal [B, ns] bool marks step inputs that only the positions at and after them see (drafts).
         """
         if commit_ids is None and step_ids is None:
@@ -266,10 +271,9 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
             parts = [(h, block) for h, (_, block) in zip(hidden, parts)]
         cache.lengths = history
         if step_ids is None:
-            return (None, None) if return_hidden else None
+            return DecodeOutput(None, None)
         hidden = self.model.norm(parts[-1][0])
-        logits = self.lm_head(hidden)
-        return (logits, hidden) if return_hidden else logits
+        return DecodeOutput(self.lm_head(hidden), hidden)
 
     def moe_blocks(self) -> list[CloverSparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, CloverSparseMoeBlock)]
