@@ -30,8 +30,10 @@ from cloverlm import CloverCache, CloverForBlockDiffusion, preset_config
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.errors import CloverError
+from cloverlm.model.config import CHUNK_SIZE
 from cloverlm.ops import fla_backend
-from cloverlm.training.diffusion import NoisedBatch, diffusion_loss, mask_blocks, sample_partition
+from cloverlm.training.diffusion import NoisedBatch, diffusion_loss, mask_blocks
+from cloverlm.training.objective import block_partition
 
 BLOCK_SIZES = [1, 4, 8, 16, 32, 64]  # the widest stage of the training recipe's mix
 
@@ -67,7 +69,7 @@ def measure_training(model, device, args, generator) -> dict:
     deadline = time.perf_counter() + args.seconds * 0.5
     losses, timed_steps, timed_seconds, step = [], 0, 0.0, 0
     while True:
-        sizes = sample_partition(args.seq_len, BLOCK_SIZES, generator)
+        sizes = block_partition(args.seq_len, BLOCK_SIZES, generator, chunk=CHUNK_SIZE)
         ids = random_ids(generator, (args.batch_size, args.seq_len + 1), config.vocab_size, reserved)
         eligible = torch.ones_like(ids, dtype=torch.bool)
         noised = mask_blocks(ids, eligible, sizes, config.mask_token_id, generator)

@@ -16,21 +16,23 @@ from cloverlm import CloverError
 from cloverlm.cli import main
 from cloverlm.convert.load import load_model
 from cloverlm.model.checkpoint import save_model
+from cloverlm.model.config import CHUNK_SIZE
 from cloverlm.model.layout import fixed_partition
-from cloverlm.training.diffusion import diffusion_loss, mask_blocks, sample_partition
+from cloverlm.training.diffusion import diffusion_loss, mask_blocks
+from cloverlm.training.objective import block_partition
 from conftest import losses, tiny_model
 
 
 def test_partition_covers_sequence_without_crossing_chunks():
     g = torch.Generator().manual_seed(0)
     for length in (64, 100, 2368):
-        sizes = sample_partition(length, [1, 4, 8, 16, 32], g)
+        sizes = block_partition(length, [1, 4, 8, 16, 32], g, chunk=CHUNK_SIZE)
         assert sum(sizes) == length and set(sizes) <= {1, 4, 8, 16, 32}
         ends = torch.tensor(sizes).cumsum(0)
         starts = ends - torch.tensor(sizes)
         assert ((starts // 64) == ((ends - 1) // 64)).all()
     with pytest.raises(CloverError, match="must include 1"):
-        sample_partition(64, [4, 8], g)
+        block_partition(64, [4, 8], g, chunk=CHUNK_SIZE)
     assert fixed_partition(64, 5) == [5] * 12 + [4] and fixed_partition(64, 16) == [16] * 4
     with pytest.raises(CloverError, match="block size must be at least 1"):
         fixed_partition(64, 0)

@@ -14,10 +14,11 @@ from cloverlm.convert import peer
 from cloverlm.convert.load import load_model
 from cloverlm.model.checkpoint import read_config, save_model
 from cloverlm.model.clover import CloverForBlockDiffusion
-from cloverlm.model.config import CloverConfig
+from cloverlm.model.config import CHUNK_SIZE, CloverConfig
 from cloverlm.training import distributed
 from cloverlm.training.data import Batch
-from cloverlm.training.diffusion import diffusion_loss, mask_blocks, sample_partition
+from cloverlm.training.diffusion import diffusion_loss, mask_blocks
+from cloverlm.training.objective import block_partition
 from cloverlm.training.probes import copy_probe, heldout_elbo
 from cloverlm.training.recipe import Stage, TrainConfig
 
@@ -83,7 +84,7 @@ class CloverArch:
         if autoregressive:
             sizes, t_fixed = [1] * (cfg.seq_len - 1), 1.0
         else:
-            sizes, t_fixed = sample_partition(cfg.seq_len - 1, stage.block_sizes, generator), None
+            sizes, t_fixed = block_partition(cfg.seq_len - 1, stage.block_sizes, generator, chunk=CHUNK_SIZE), None
         eligible = batch.eligible(stage.chat_mode)
         # noise for the whole batch, then this rank's rows: each row is masked as in a 1-process run
         noised = mask_blocks(batch.input_ids, eligible, sizes, model.config.mask_token_id, generator, t_fixed=t_fixed)

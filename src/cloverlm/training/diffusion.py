@@ -1,4 +1,4 @@
-"""The block-diffusion objective: partitions, per-block noise levels, masking and the weighted loss.
+"""The block-diffusion objective: per-block noise levels, masking and the weighted loss (the partition rule is objective.block_partition).
 
 Shifted convention (docs/design.md section 1a): a sequence x_0 .. x_{L-1} is read as inputs x_0 .. x_{L-2}, and
 input position p predicts x_{p+1}. The L-1 input positions are cut into blocks (one random partition
@@ -19,33 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from cloverlm.errors import CloverError
-from cloverlm.model.config import CHUNK_SIZE
-
-
-def sample_partition(length: int, sizes: list[int], generator: torch.Generator, chunk: int = CHUNK_SIZE) -> list[int]:
-    """A random partition of `length` into block sizes drawn uniformly from `sizes`.
-
-    Blocks never straddle a multiple of `chunk`, so chunks stay full (the chunked kernels' best case).
-    Size 1 must be in `sizes` so that every remainder can be filled.
-    """
-    if 1 not in sizes:
-        raise CloverError(f"block sizes {sizes} must include 1")
-    if any(s > chunk or chunk % s for s in sizes):
-        raise CloverError(f"block sizes {sizes} must divide the chunk of {chunk} tokens")
-    partition: list[int] = []
-    position = 0
-    while position < length:
-        room = min(chunk - position % chunk, length - position)
-        fitting = [s for s in sizes if s <= room]
-        choice = fitting[int(torch.randint(len(fitting), (1,), generator=generator))]
-        partition.append(choice)
-        position += choice
-    return partition
 
 
 @dataclass
 class NoisedBatch:
-    clean_ids: torch.Tensor  # [B, L-1] the clean stream: every token but the last
+    clean_ids: torch.Tensor  # [B, L-1] the clean stream: every token except the last
     noisy_ids: torch.Tensor  # [B, L-1] the noisy stream
     targets: torch.Tensor  # [B, L-1] the token each input position predicts (x_{p+1})
     scored: torch.Tensor  # [B, L-1] bool: positions whose prediction is scored

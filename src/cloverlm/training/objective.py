@@ -53,12 +53,25 @@ class ConversionBatch:
         return {"clean": int(self.clean_lengths.sum()), "noisy": int((self.noisy.block >= 0).sum())}
 
 
-def block_partition(length: int, sizes, generator: torch.Generator, overhang: bool = True) -> list[int]:
-    """Blocks of sizes drawn from `sizes` until they cover `length` tokens: the last may overhang, or
-    with overhang=False only sizes that fit are drawn (`length` a multiple of the smallest size)."""
+def block_partition(
+    length: int, sizes, generator: torch.Generator, overhang: bool = True, chunk: int | None = None
+) -> list[int]:
+    """Blocks of sizes drawn uniformly from `sizes` until they cover `length` tokens: the last may overhang,
+    or with overhang=False only sizes that fit are drawn (`length` a multiple of the smallest size).
+
+    `chunk` (implies overhang=False) keeps every block inside one multiple of `chunk` tokens, so that chunks
+    stay full: the chunked kernels' best case, which the from-scratch objective takes. Size 1 must then be
+    in `sizes`, so that every remainder can be filled.
+    """
+    if chunk is not None:
+        if 1 not in sizes:
+            raise CloverError(f"block sizes {sizes} must include 1")
+        if any(s > chunk or chunk % s for s in sizes):
+            raise CloverError(f"block sizes {sizes} must divide the chunk of {chunk} tokens")
     partition, covered = [], 0
     while covered < length:
-        fitting = list(sizes) if overhang else [s for s in sizes if s <= length - covered]
+        room = length - covered if chunk is None else min(length - covered, chunk - covered % chunk)
+        fitting = list(sizes) if overhang and chunk is None else [s for s in sizes if s <= room]
         size = fitting[int(torch.randint(len(fitting), (1,), generator=generator))]
         partition.append(size)
         covered += size

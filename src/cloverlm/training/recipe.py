@@ -1,9 +1,9 @@
 """The from-scratch training recipes and the run's settings: the block-size curriculum (Stage,
-Recipe, RECIPES), TrainConfig and the learning-rate schedule. The loop that follows them is train.py."""
+Recipe, RECIPES) and TrainConfig. The objective that follows them is train.py, the loop (and the
+learning-rate schedule) loop.py."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 
@@ -84,10 +84,3 @@ class TrainConfig:
     init_from: str | None = None  # a model folder to start from instead of random weights
     overrides: dict = field(default_factory=dict)  # CloverConfig fields
     probe_examples: int = 8
-
-
-def lr_at(step: int, cfg: TrainConfig, max_steps: int) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
