@@ -14,6 +14,7 @@ from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.errors import CloverError
 from cloverlm.model.cache import CloverCache
+from cloverlm.tokenizer import same_tokenizer, stop_token_ids
 from cloverlm.training.objective import Segment, build_batch, conversion_loss
 
 MASK = 5
@@ -57,7 +58,7 @@ def test_block_size_one_reproduces_the_base_logits(pair):
         assert (model(ids).logits - reference).abs().max() < 1e-4  # two-stream forward, blocks of 1
         cache = CloverCache.empty(model.config, 2)
         model.prefill(ids[:, :-1], [8, 8, 6], cache)  # causal committed tokens: any partition
-        last = model.decode(cache, step_ids=ids[:, -1:])
+        last = model.decode(cache, step_ids=ids[:, -1:]).logits
     assert (last[:, 0] - reference[:, -1]).abs().max() < 1e-4
 
 
@@ -90,7 +91,7 @@ def test_clean_stream_is_causal_at_every_block_size(pair):
         whole, single = CloverCache.empty(model.config, 1), CloverCache.empty(model.config, 1)
         model.prefill(ids[:, :16], [16], whole)
         model.prefill(ids[:, :16], [1] * 16, single)
-        a, b = model.decode(whole, step_ids=ids[:, 16:]), model.decode(single, step_ids=ids[:, 16:])
+        a, b = model.decode(whole, step_ids=ids[:, 16:]).logits, model.decode(single, step_ids=ids[:, 16:]).logits
     assert (a - b).abs().max() < 1e-5
 
 
@@ -112,7 +113,7 @@ def test_noisy_blocks_forward_equals_the_decoding_path(pair):
             history = int(history_of[slots[0]])
             cache = CloverCache.empty(model.config, 1)
             model.prefill(batch.clean_ids[:, :history], [history], cache)
-            step = model.decode(cache, step_ids=noisy.input_ids[:, slots])
+            step = model.decode(cache, step_ids=noisy.input_ids[:, slots]).logits
             assert int(positions[slots[0]]) == history  # slot 0 stands at the last committed position
             assert (step[0] - train[slots]).abs().max() < 1e-4
 
@@ -180,12 +181,12 @@ def test_corrupt_gguf_is_one_line(monkeypatch, tmp_path):
         gguf_path("smollm2-135m-instruct")
 
 
-def test_adapter_round_trip(pair, tmp_path, monkeypatch):
+def test_adapter_round_trip(pair, tokenizer, tmp_path, monkeypatch):
     """save_adapter then load_adapted gives the merged weights the trainer had."""
     from cloverlm.convert import adapter
 
     base, _ = pair
-    tokenizer = type("Tok", (), {"save_pretrained": lambda self, folder: None})()
+    monkeypatch.setattr(adapter, "base_tokenizer", lambda name: tokenizer)
     model = convert_weights(base, MASK)
     peft_model = adapter.with_adapter(model, "diffusion", 4, 8)
     with torch.no_grad():
@@ -256,3 +257,69 @@ def test_the_shipped_adapters_are_small_and_fit_the_base(name, objective):
     base = load_base()[0]
     merged = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
     assert (merged - base.model.layers[0].self_attn.q_proj.weight).abs().max() > 1e-4
+
+
+# What a tokenizer does to a model's inputs and outputs: a change to any of these changes a prompt's ids,
+# an answer's text or where decoding stops.
+CONVERSATION = [
+    {"role": "system", "content": "You route drones."},
+    {"role": "user", "content": "Zones near 51.5074, -0.1278? Call a tool."},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "zones", "arguments": {"radius_km": 12}}\n</tool_call>'},
+    {"role": "user", "content": "Thanks, and the  héliport? \t 1234567"},
+]
+TOOLS = [{"type": "function", "function": {"name": "zones", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def tokenizer_view(tok) -> dict:
+    rendered = tok.apply_chat_template(CONVERSATION, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    return {
+        "vocab": tok.get_vocab(),
+        "added": {i: (t.content, t.special) for i, t in tok.added_tokens_decoder.items()},
+        "rendered": rendered,
+        "ids": tok(rendered, add_special_tokens=False)["input_ids"],
+        "special": {name: getattr(tok, name) for name in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id", "mask_token_id")},
+        "all_special_ids": sorted(tok.all_special_ids),
+        "stops": stop_token_ids(tok),
+    }
+
+
+@pytest.mark.parametrize("name", ["smollm2-clover", "smollm2-peer"])
+def test_a_shipped_adapter_loads_the_tokenizer_it_was_trained_with(name, tmp_path):
+    """The folder holds no tokenizer: its loader rebuilds the one the trainer used (cloverlm.training.convert:
+    `converted(base)` for Clover, `load_base(base)` for the peer), identical in every respect a model sees."""
+    from cloverlm.convert.adapter import adapter_meta
+    from cloverlm.convert.base import converted, load_base
+    from cloverlm.convert.load import has_tokenizer, load_folder_tokenizer
+
+    folder = SHIPPED / name
+    meta = adapter_meta(folder)
+    trained = (converted if meta["objective"] == "diffusion" else load_base)(meta["base"])[1]
+    assert not [path.name for path in folder.iterdir() if path.name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")]
+    assert has_tokenizer(folder)
+    assert tokenizer_view(load_folder_tokenizer(folder)) == tokenizer_view(trained)
+    assert same_tokenizer(load_folder_tokenizer(folder), trained)
+
+
+def test_save_adapter_writes_a_tokenizer_only_when_it_is_not_the_bases(pair, tokenizer, tmp_path, monkeypatch):
+    """An adapter trained with the base's tokenizer leaves it out; one with another tokenizer (here an added
+    token) keeps it, and both folders load back the tokenizer they were saved with."""
+    import copy
+
+    from cloverlm.convert import adapter
+    from cloverlm.convert.load import load_folder_tokenizer
+
+    monkeypatch.setattr(adapter, "base_tokenizer", lambda name: copy.deepcopy(tokenizer))
+    peft_model = adapter.with_adapter(convert_weights(pair[0], MASK), "diffusion", 4, 8)
+    meta = {"base": "tiny", "objective": "diffusion", "lora_rank": 4, "lora_alpha": 8}
+    adapter.save_adapter(peft_model, tokenizer, tmp_path / "same", meta)
+    assert not (tmp_path / "same" / "tokenizer.json").exists()
+    monkeypatch.setattr("cloverlm.convert.load.base_tokenizer", adapter.base_tokenizer)
+    assert tokenizer_view(load_folder_tokenizer(tmp_path / "same")) == tokenizer_view(tokenizer)
+
+    extended = copy.deepcopy(tokenizer)
+    extended.add_tokens(["<extra>"], special_tokens=True)
+    assert not same_tokenizer(extended, tokenizer)
+    adapter.save_adapter(peft_model, extended, tmp_path / "other", meta)
+    assert (tmp_path / "other" / "tokenizer.json").is_file()
+    loaded = load_folder_tokenizer(tmp_path / "other")
+    assert same_tokenizer(loaded, extended) and tokenizer_view(loaded) == tokenizer_view(extended)

@@ -16,6 +16,7 @@ from cloverlm.tokenizer import (
     digit_groups,
     format_chat,
     load_tokenizer,
+    same_tokenizer,
     train_tokenizer,
 )
 from cloverlm.training.corpus import read_source, stdlib_files, stdlib_root
@@ -148,6 +149,25 @@ def test_save_load(tok, tmp_path):
     assert (loaded.eos_token, loaded.pad_token, loaded.mask_token) == (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN)
     assert loaded.clean_up_tokenization_spaces is False
     assert loaded.decode(loaded.encode("a  b ,")) == "a  b ,"
+
+
+def test_same_tokenizer_sees_every_difference_that_changes_ids(tmp_path):
+    """A saved and reloaded tokenizer (and one a padded call has touched) is the same; another vocabulary,
+    an added token, another special-token role or another chat template is not."""
+    import copy
+
+    scratch = load_tokenizer("models/scratch-tokenizer")
+    scratch.save_pretrained(tmp_path)
+    reloaded = load_tokenizer(tmp_path)
+    reloaded(["a", "a b c"], padding=True, truncation=True, max_length=2)
+    assert same_tokenizer(scratch, reloaded)
+    added, role, template = copy.deepcopy(scratch), copy.deepcopy(scratch), copy.deepcopy(scratch)
+    added.add_tokens(["<extra>"])
+    role.pad_token = EOS_TOKEN
+    template.chat_template = scratch.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    small = train_tokenizer(["some text 12"] * 3, vocab_size=1500)
+    for other in (added, role, template, small):
+        assert not same_tokenizer(scratch, other) and not same_tokenizer(other, scratch)
 
 
 def test_load_missing(tmp_path):

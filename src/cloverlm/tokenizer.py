@@ -114,6 +114,22 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return tok
 
 
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers give the same ids for every text and conversation: the same pipeline
+    (normalizer, pre-tokenizer, vocabulary, merges, added tokens), special-token roles and chat template.
+    The backends' padding and truncation settings are left out: calls change them, the ids do not."""
+
+    def pipeline(tok) -> dict:
+        spec = json.loads(tok.backend_tokenizer.to_str())
+        return {k: v for k, v in spec.items() if k not in ("padding", "truncation")}
+
+    return (
+        pipeline(a) == pipeline(b)
+        and a.special_tokens_map == b.special_tokens_map
+        and (a.chat_template or chat_template()) == (b.chat_template or chat_template())
+    )
+
+
 def format_chat(
     tokenizer: PreTrainedTokenizerFast,
     prompt: str,

@@ -1,6 +1,7 @@
 """The `context_scaling` section of `clover bench`: the cost of one decoding forward after a context
 of random tokens, Clover's block forward against the peer's token forward (the fields are documented
-in bench/run.py)."""
+in bench/run.py). The memory-only model is a random-init model of the memory-only preset unless
+`--memory-model` names a trained one: a forward on random ids costs the same whatever the weights."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from cloverlm.bench.options import BenchModels, BenchOptions, ratio
 from cloverlm.model.cache import CloverCache
 from cloverlm.model.clover import CloverForBlockDiffusion
-from cloverlm.model.config import ATTENTION
+from cloverlm.model.config import ATTENTION, preset_config
 from cloverlm.model.layout import fixed_partition
 from cloverlm.tokenizer import SPECIAL_TOKENS
 
@@ -24,6 +25,17 @@ from cloverlm.tokenizer import SPECIAL_TOKENS
 # layers: past this many tokens the rest of a long context is committed block by block instead.
 PREFILL_LIMIT = 8192
 PEER_PIECE = 2048  # the peer reads a long context in forwards of this many tokens
+MEMORY_PRESET = "clover-tiny-memory"
+MEMORY_SEED = 0
+
+
+def random_memory_model(dtype: torch.dtype = torch.float32) -> CloverForBlockDiffusion:
+    """A random-init model of MEMORY_PRESET (its vocabulary: the from-scratch tokenizer's 8,192), the same
+    weights on every call; the global random state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(MEMORY_SEED)
+        model = CloverForBlockDiffusion(preset_config(MEMORY_PRESET))
+    return model.to(dtype).eval()
 
 
 def _random_ids(vocab_size: int, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -80,11 +92,14 @@ def bench_context(models: BenchModels, options: BenchOptions, tpf: float) -> lis
     """One row per context; the fields are defined in the docstring of bench/run.py."""
     forwards_per_block = max(options.block_size / tpf, 1.0)
     block_tokens = round(tpf, 3)
+    memory_only = models.memory_only
+    if memory_only is None:
+        memory_only = random_memory_model(next(models.clover.parameters()).dtype)
     rows = []
     for context in tqdm(options.contexts, desc="contexts"):
         clover_ms, memory_ms = (
             round(_clover_block_ms(model, context, options.block_size, forwards_per_block, options.timed_forwards), 3)
-            for model in (models.clover, models.memory_only)
+            for model in (models.clover, memory_only)
         )
         peer_ms = None if models.peer is None else round(_peer_token_ms(models.peer, context, options.timed_forwards), 3)
         rows.append(

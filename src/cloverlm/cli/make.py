@@ -127,9 +127,8 @@ def _train_convert(args) -> None:
 def _distill_trajectories(args, fields):
     """--recipe distill: append the init adapter's one-token-a-step answers to OUT/trajectories.jsonl
     (resumable), then the distillation config."""
-    from cloverlm.convert.load import load_model
+    from cloverlm.convert.load import load_folder_tokenizer, load_model
     from cloverlm.model.checkpoint import inference_dtype
-    from cloverlm.tokenizer import load_tokenizer
     from cloverlm.training.convert import ConvertConfig
     from cloverlm.training.distill import TRAJECTORIES, distill_config, make_trajectories
 
@@ -140,7 +139,7 @@ def _distill_trajectories(args, fields):
     cfg = distill_config(out=args.out, **fields)
     model = load_model(Path(args.init_adapter), inference_dtype())
     summary = make_trajectories(
-        model, load_tokenizer(Path(args.init_adapter)), Path(args.out) / TRAJECTORIES, args.trajectories,
+        model, load_folder_tokenizer(Path(args.init_adapter)), Path(args.out) / TRAJECTORIES, args.trajectories,
         ConvertConfig().mixture, seed=args.seed,
     )  # fmt: skip
     print(json.dumps({"trajectories": summary}))

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cloverlm.convert.base import converted, load_base
+from cloverlm.convert.base import base_tokenizer, converted, load_base
 from cloverlm.errors import CloverError
+from cloverlm.tokenizer import same_tokenizer
 
 LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTER_META = "clover_adapter.json"
@@ -37,24 +38,32 @@ def adapter_state(peft_model) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(peft_model, tokenizer, folder: Path, meta: dict, dtype=torch.float32) -> None:
-    """adapter_model.safetensors + adapter_config.json (peft's format) + clover_adapter.json + tokenizer."""
+    """adapter_model.safetensors + adapter_config.json (peft's format) + clover_adapter.json. The tokenizer
+    is written only when it is not the base's (`base_tokenizer`), which the folder's loader rebuilds
+    (`cloverlm.convert.load.load_folder_tokenizer`): a copy of the base's is 3.5 MB a folder."""
     folder.mkdir(parents=True, exist_ok=True)
     peft_model.peft_config["default"].save_pretrained(str(folder))
     state = {k: v.to(dtype) for k, v in adapter_state(peft_model).items()}
     save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     (folder / ADAPTER_META).write_text(json.dumps(meta, indent=1) + "\n")
-    tokenizer.save_pretrained(folder)
+    if not same_tokenizer(tokenizer, base_tokenizer(meta["base"])):
+        tokenizer.save_pretrained(folder)
 
 
 def is_adapter_folder(folder) -> bool:
     return (Path(folder) / ADAPTER_META).is_file()
 
 
+def adapter_meta(folder) -> dict:
+    """clover_adapter.json: the base, objective, rank and lineage."""
+    return json.loads((Path(folder) / ADAPTER_META).read_text())
+
+
 def adapter_objective(folder) -> str | None:
     """"diffusion" (a Clover adapter), "ar" (the peer's), or None for a folder without an adapter."""
     if not is_adapter_folder(folder):
         return None
-    return json.loads((Path(folder) / ADAPTER_META).read_text()).get("objective", "diffusion")
+    return adapter_meta(folder).get("objective", "diffusion")
 
 
 def load_adapted(folder, dtype=torch.float32):
@@ -63,7 +72,7 @@ def load_adapted(folder, dtype=torch.float32):
     from peft import set_peft_model_state_dict
 
     folder = Path(folder)
-    meta = json.loads((folder / ADAPTER_META).read_text())
+    meta = adapter_meta(folder)
     objective = meta.get("objective", "diffusion")
     model, tokenizer = converted(meta["base"]) if objective == "diffusion" else load_base(meta["base"])
     peft_model = with_adapter(model, objective, meta["lora_rank"], meta["lora_alpha"])

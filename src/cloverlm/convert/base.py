@@ -219,16 +219,25 @@ def repair_eos(tokenizer, model=None) -> None:
             config.eos_token_id = end
 
 
+def base_tokenizer(name_or_path: str = DEFAULT_BASE):
+    """The base's tokenizer with cloverlm's chat template and the end of turn as its eos: the one the
+    trainer, `load_base`, `converted` and an adapter folder (`load_folder_tokenizer`) all use."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_folder(name_or_path)))
+    tokenizer.chat_template = chat_template()
+    repair_eos(tokenizer)
+    return tokenizer
+
+
 def load_base(name_or_path: str = DEFAULT_BASE, dtype=torch.float32):
-    """The base as transformers' causal LM and its tokenizer (with cloverlm's chat template and the end of
-    turn as its eos)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The base as transformers' causal LM and its tokenizer (`base_tokenizer`)."""
+    from transformers import AutoModelForCausalLM
 
     folder = base_folder(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer.chat_template = chat_template()
-    repair_eos(tokenizer, model)
+    tokenizer = base_tokenizer(str(folder))
+    repair_eos(tokenizer, model)  # the model's configs get the same end of turn
     return model, tokenizer
 
 

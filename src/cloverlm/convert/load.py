@@ -1,4 +1,5 @@
-"""Loading a model folder, whatever it holds: Clover weights, or a conversion adapter over its base."""
+"""Loading a model folder, whatever it holds: Clover weights, or a conversion adapter over its base; and
+its tokenizer."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ from pathlib import Path
 
 import torch
 
-from cloverlm.convert.adapter import adapter_objective, load_adapted
+from cloverlm.convert.adapter import adapter_meta, adapter_objective, is_adapter_folder, load_adapted
+from cloverlm.convert.base import base_tokenizer
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import load_plain
 from cloverlm.model.clover import CloverForBlockDiffusion
+from cloverlm.tokenizer import load_tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32) -> CloverForBlockDiffusion:
@@ -21,3 +26,17 @@ def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32) -> C
     if objective != "diffusion":
         raise CloverError(f"{path} holds the autoregressive peer's adapter, not a Clover model")
     return load_adapted(path, dtype or torch.float32)[0]
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether `load_folder_tokenizer` finds a tokenizer for the folder."""
+    return is_adapter_folder(folder) or (Path(folder) / TOKENIZER_FILE).is_file()
+
+
+def load_folder_tokenizer(path: str | Path):
+    """The tokenizer of a model folder: the one saved in it, else for an adapter folder its base's, rebuilt
+    by the code the trainer built it with (`base_tokenizer`; `save_adapter` writes none when it is that)."""
+    path = Path(path)
+    if is_adapter_folder(path) and not (path / TOKENIZER_FILE).is_file():
+        return base_tokenizer(adapter_meta(path)["base"])
+    return load_tokenizer(path)

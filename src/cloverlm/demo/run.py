@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cloverlm import tasks
-from cloverlm.convert.load import load_model
+from cloverlm.convert.load import has_tokenizer, load_folder_tokenizer, load_model
 from cloverlm.convert.peer import is_peer_folder, load_peer, peer_generate, peer_generate_constrained
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import DecodeParams, Request, drafts_supported
@@ -44,7 +44,7 @@ from cloverlm.demo.plots import render_denoising_strip, render_zone_map
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import inference_dtype
 from cloverlm.tasks.no_fly_zones import FIELDS, INSTRUCTION, parse_zones, zones_schema
-from cloverlm.tokenizer import load_tokenizer, stop_token_ids
+from cloverlm.tokenizer import stop_token_ids
 
 BASE_PEER = "base"  # --peer base: the converted model's base, zero-shot
 MAP_FILE, STRIP_FILE = "no_fly_zones.png", "denoising.png"
@@ -346,7 +346,7 @@ def _load_peer(folder: Path | None, required: bool, tokenizer, console: Console)
         return None
     if not is_peer_folder(folder):
         raise CloverError(f"{folder} does not hold an autoregressive peer: --peer takes a peer folder")
-    if (folder / "tokenizer.json").is_file() and load_tokenizer(folder).get_vocab() != tokenizer.get_vocab():
+    if has_tokenizer(folder) and load_folder_tokenizer(folder).get_vocab() != tokenizer.get_vocab():
         raise CloverError(f"the peer at {folder} uses another tokenizer than Clover: the prompts would differ")
     return load_peer(folder, inference_dtype())
 
@@ -370,7 +370,7 @@ def demo(
     messages = read_messages(messages_file) if messages_file is not None else generated_messages(seed)
     if is_peer_folder(model_dir):
         raise CloverError(f"{model_dir} holds the autoregressive peer: --model takes a Clover folder (the peer: --peer)")
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_folder_tokenizer(model_dir)
     peer = _load_peer(peer_dir, peer_required, tokenizer, console)
     return run_demo(
         load_model(model_dir, inference_dtype()), tokenizer, messages, out_dir, peer_model=peer, json_path=json_path,
