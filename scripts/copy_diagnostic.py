@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from cloverlm.evaluation.heldout import encode_example
 from cloverlm.model.config import preset_config
 from cloverlm.tasks import Example
 from cloverlm.tokenizer import load_tokenizer
 from cloverlm.training.archs import ARCHS
-from cloverlm.training.data import Batch, Mixture, encode_example
+from cloverlm.training.data import Batch, Mixture
 from cloverlm.training.recipe import Stage, TrainConfig
 
 

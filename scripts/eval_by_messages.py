@@ -17,10 +17,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from cloverlm.convert.load import load_model  # noqa: E402
+from cloverlm.convert.load import load_folder_tokenizer, load_model  # noqa: E402
 from cloverlm.convert.peer import load_peer  # noqa: E402
-from cloverlm.tokenizer import load_tokenizer  # noqa: E402
-from cloverlm.training.evaluate import evaluate_tasks  # noqa: E402
+from cloverlm.evaluation.evaluate import evaluate_tasks  # noqa: E402
 
 FIELDS = ("zone_exact_match", "field/id", "field/lat", "field/radius", "count")
 
@@ -36,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = {"clover": load_model(args.model), "peer": load_peer(args.peer)}
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_folder_tokenizer(args.model)
     report = {"n": args.n, "models": {"clover": args.model, "peer": args.peer}, "by_messages": []}
     for count in args.messages:
         row = {"messages": count}

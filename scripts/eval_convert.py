@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from cloverlm.convert.base import load_base
-from cloverlm.convert.load import load_model
+from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.convert.peer import load_peer
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import DecodeParams, Request
-from cloverlm.tokenizer import format_chat, load_tokenizer, stop_token_ids
+from cloverlm.evaluation.evaluate import evaluate_tasks
+from cloverlm.tokenizer import format_chat, stop_token_ids
 from cloverlm.training.convert_data import read_chat
-from cloverlm.training.evaluate import evaluate_tasks
 
 
 def chat_agreement(model, tokenizer, records: list[dict]) -> dict:
@@ -79,14 +79,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.chat_only:
-        model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+        model, tokenizer = load_model(args.model), load_folder_tokenizer(args.model)
         report = json.loads(Path(args.json).read_text())
         report["chat_agreement_b1"] = chat_agreement(model, tokenizer, read_chat("heldout")[: args.chat])
         print(json.dumps(report["chat_agreement_b1"]), flush=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         return
     started = time.time()
-    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    model, tokenizer = load_model(args.model), load_folder_tokenizer(args.model)
     peer = load_base()[0] if args.peer == "base" else load_peer(args.peer)
     sizes = {"no_fly_zones": {"n_messages": 20}}
     tasks = ["no_fly_zones", "tool_call"]

@@ -7,15 +7,14 @@ from pathlib import Path
 
 import torch
 
-from cloverlm.convert.load import load_model
+from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.convert.peer import is_peer_folder, load_peer, save_peer
 from cloverlm.model.checkpoint import save_model
-from cloverlm.tokenizer import load_tokenizer
 
 
 def main(run: str, out: str) -> None:
     checkpoint = Path(run) / "checkpoint"
-    tokenizer = load_tokenizer(checkpoint)
+    tokenizer = load_folder_tokenizer(checkpoint)
     if is_peer_folder(checkpoint):
         save_peer(load_peer(checkpoint), tokenizer, Path(out), dtype=torch.bfloat16)
     else:

@@ -36,7 +36,7 @@ def attention_share(trainer: ConvertTrainer, batch) -> dict:
     cuda = trainer.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        trainer.train_step(batch)
+        trainer.train_step(0, batch)
         synchronize(trainer.device)
     events = prof.key_averages()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -72,7 +72,7 @@ def main() -> None:
         for index, batch in enumerate(batches[:-1]):
             synchronize(trainer.device)
             started = time.perf_counter()
-            trainer.train_step(batch)
+            trainer.train_step(index, batch)
             synchronize(trainer.device)
             if index >= args.warmup:
                 counts = batch.token_counts()
@@ -83,7 +83,7 @@ def main() -> None:
         report = {
             "device": trainer.lineage()["device"], "objective": args.objective, "rows_per_step": args.rows_per_step,
             "tokens_per_step": args.tokens_per_step, "pad_multiple": trainer.pad_multiple, "compile": args.compile,
-            "bf16": trainer.autocast_bf16, "steps": args.steps, "median_step_s": round(statistics.median(seconds), 3),
+            "bf16": trainer.bf16, "steps": args.steps, "median_step_s": round(statistics.median(seconds), 3),
             "median_tokens_per_s": round(statistics.median(rates)), "mean_tokens_per_step": round(statistics.mean(tokens)),
             "padding_share": round(1 - sum(tokens) / sum(padded), 3),
         }  # fmt: skip

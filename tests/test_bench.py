@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cloverlm import CloverError, preset_config, tasks
+from cloverlm.bench.context import MEMORY_PRESET, bench_context, random_memory_model
 from cloverlm.bench.llama_cpp import load_llama_cpp
 from cloverlm.bench.options import BenchModels, BenchOptions, accuracy, parse_context
 from cloverlm.bench.report import write_report
@@ -20,9 +21,9 @@ from cloverlm.cli import main
 from cloverlm.convert.peer import build_peer, peer_config, save_peer
 from cloverlm.decoding.calibration import Calibration
 from cloverlm.decoding.params import DecodeParams
+from cloverlm.evaluation.heldout import heldout_examples
 from cloverlm.model.checkpoint import save_model
 from cloverlm.tokenizer import train_tokenizer
-from cloverlm.training.data import heldout_examples
 from conftest import TINY, tiny_model
 
 VOCAB = 1536  # room for the tokenizer's 1,110 digit groups
@@ -189,6 +190,17 @@ def test_without_a_peer_its_fields_are_null(models, tmp_path):
     assert row["peer_token_ms"] is None and row["speedup"] is None and row["clover_block_ms"] > 0
     for path in write_report(report, tmp_path / "bench.json")[1:]:
         assert png_size(path)[0] >= 600
+
+
+def test_context_scaling_without_a_memory_model_times_a_seeded_random_one(models):
+    """No --memory-model: a random-init model of the memory-only preset, the same weights every run."""
+    first, second = random_memory_model(), random_memory_model()
+    assert first.config.layer_types == ["linear_attention"] * 4 and first.config.vocab_size == 8192
+    assert first.config.to_dict() == preset_config(MEMORY_PRESET).to_dict()
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True))
+    options = dataclasses.replace(OPTIONS, contexts=(64,), timed_forwards=1)
+    (row,) = bench_context(dataclasses.replace(models, memory_only=None, peer=None), options, tpf=2.0)
+    assert row["memory_only_block_ms"] > 0 and row["clover_block_ms"] > 0 and row["peer_token_ms"] is None
 
 
 def test_block_size_sweep_adds_auto_for_a_calibrated_model(models, report, tmp_path):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cloverlm.convert.base import convert_weights
+from cloverlm.convert.load import load_folder_tokenizer
 from cloverlm.errors import CloverError
-from cloverlm.tokenizer import load_tokenizer
 from cloverlm.training.convert import ConvertConfig, ConvertTrainer, adapter_lineage
 from cloverlm.training.convert_data import ConversionData, read_trajectories
 from cloverlm.training.distill import summarize, trajectory_example
@@ -24,7 +24,7 @@ BASE_TOKENIZER = ROOT / "models" / "smollm2-clover"
 
 @pytest.fixture(scope="module")
 def base_tokenizer():
-    return load_tokenizer(BASE_TOKENIZER)
+    return load_folder_tokenizer(BASE_TOKENIZER)
 
 
 def test_the_default_mixture_builds_a_step_batch_with_chat(base_tokenizer):
@@ -190,7 +190,7 @@ def test_the_distill_recipe_trains_on_kept_trajectories(base_tokenizer, tmp_path
     """`clover train --recipe distill` end to end on a trajectories file already complete (one kept
     answer: a reference answer standing in for a right one), so no decoding runs: a step with certainty
     forcing, and the adapter names its parent."""
-    from cloverlm.training.data import encode_example
+    from cloverlm.evaluation.heldout import encode_example
 
     out = tmp_path / "distill"
     out.mkdir()
@@ -211,5 +211,6 @@ def test_the_distill_recipe_trains_on_kept_trajectories(base_tokenizer, tmp_path
     meta = json.loads((out / "adapter" / "clover_adapter.json").read_text())
     assert meta["config"]["certainty_weight"] == 0.5 and meta["config"]["mixture"] == {"distill": 0.75, "chat": 0.25}
     assert meta["parent"]["path"] == str(BASE_TOKENIZER) and meta["total_steps"] == meta["parent"]["total_steps"] + 1
+    assert not (out / "adapter" / "tokenizer.json").exists()  # trained with the base's tokenizer: not copied
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert "certainty_entropy" in log[0]

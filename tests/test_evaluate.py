@@ -5,8 +5,8 @@ import json
 
 from cloverlm import tasks
 from cloverlm.decoding.grammar import Grammars
+from cloverlm.evaluation.evaluate import answer_grammar, evaluate_tasks, forced_count
 from cloverlm.tokenizer import stop_token_ids
-from cloverlm.training.evaluate import answer_grammar, evaluate_tasks, forced_count
 
 
 def test_answers_are_decoded_under_the_schema_unless_free(tokenizer, random_model):

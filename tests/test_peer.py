@@ -18,10 +18,9 @@ from cloverlm.convert.peer import (
     peer_generate,
     save_peer,
 )
+from cloverlm.evaluation.heldout import answer_budget, heldout_examples
 from cloverlm.model.config import parameter_counts
 from cloverlm.tasks import get_task
-from cloverlm.training.data import heldout_examples
-from cloverlm.training.evaluate import answer_budget
 from conftest import TINY
 
 

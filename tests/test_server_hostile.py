@@ -52,7 +52,7 @@ def _serve(context: int = CONTEXT, **overrides):
 def _running(**overrides):
     """A live server; `errors` collects its error logs (an unhandled error, a 500, logs one)."""
     _, tokenizer, app = _serve(**overrides)
-    errors, logger = BufferingHandler(10**6), logging.getLogger("cloverlm.server")
+    errors, logger = BufferingHandler(10**6), logging.getLogger("cloverlm.serving")  # app and worker log under it
     errors.setLevel(logging.ERROR)
     logger.addHandler(errors)
     try:

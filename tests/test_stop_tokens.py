@@ -6,17 +6,18 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cloverlm.convert.base import check_tokenizer, clover_config, repair_eos
+from cloverlm.convert.load import load_folder_tokenizer
 from cloverlm.errors import CloverError
 from cloverlm.tokenizer import end_of_turn_id, load_tokenizer, stop_token_ids
 
-BASE_TOKENIZER = "models/smollm2-clover"  # the base's tokenizer as the shipped adapter saved it
+BASE_TOKENIZER = "models/smollm2-clover"  # the base's tokenizer, as the shipped adapter loads it
 END, START, TEXT_END, MASK = 2, 1, 0, 4  # SmolLM2: <|im_end|>, <|im_start|>, <|endoftext|>, <reponame>
 
 
 @pytest.fixture
 def base_tokenizer():
     """A fresh copy each test: the tests change its eos."""
-    tokenizer = load_tokenizer(BASE_TOKENIZER)
+    tokenizer = load_folder_tokenizer(BASE_TOKENIZER)
     assert tokenizer.convert_ids_to_tokens([END, START, TEXT_END]) == ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]
     return tokenizer
 

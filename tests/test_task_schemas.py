@@ -7,10 +7,11 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
+from cloverlm.convert.load import load_folder_tokenizer
 from cloverlm.decoding.grammar import Grammars
 from cloverlm.tasks import SUITE, get_task
 from cloverlm.tasks.no_fly_zones import FIELDS
-from cloverlm.tokenizer import load_tokenizer, stop_token_ids
+from cloverlm.tokenizer import stop_token_ids
 
 SEEDS = range(200)
 
@@ -18,7 +19,7 @@ SEEDS = range(200)
 @pytest.fixture(scope="module")
 def base():
     """The base's tokenizer (what `clover demo` decodes with) and its grammars."""
-    tokenizer = load_tokenizer("models/smollm2-clover")
+    tokenizer = load_folder_tokenizer("models/smollm2-clover")
     return tokenizer, Grammars(tokenizer, len(tokenizer), stop_token_ids(tokenizer))
 
 

@@ -12,7 +12,7 @@ from cloverlm.tasks.drone_slots import DroneSlots, consistent
 from cloverlm.tokenizer import stop_token_ids
 
 
-def bench_decisions(model, tokenizer, prompts: int = 8, drones: int = 8, threshold: float = DecodeParams.threshold) -> dict:
+def bench_decisions(model, tokenizer, prompts: int, drones: int = 8, threshold: float = DecodeParams.threshold) -> dict:
     """drone_slots puzzles answered one at a time, jointly, and jointly with distinct answers enforced:
     no_overlap (no shared zone), consistent (no shared zone and every zone allowed) and exact rates,
     per-drone accuracy, median wall time and forwards per puzzle."""

@@ -13,16 +13,15 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 from cloverlm import tasks
 from cloverlm.bench.llama_cpp import load_llama_cpp
-from cloverlm.convert.load import load_model
+from cloverlm.convert.load import has_tokenizer, load_folder_tokenizer, load_model
 from cloverlm.convert.peer import PEER_ARCH, is_peer_folder, load_peer
 from cloverlm.decoding.calibration import Calibration, load_calibration
 from cloverlm.decoding.params import DecodeParams
 from cloverlm.errors import CloverError
+from cloverlm.evaluation.heldout import TokenizedExample, answer_budget
 from cloverlm.model.checkpoint import inference_dtype
 from cloverlm.model.clover import CloverForBlockDiffusion
-from cloverlm.tokenizer import load_tokenizer, stop_token_ids
-from cloverlm.training.data import TokenizedExample
-from cloverlm.training.evaluate import answer_budget
+from cloverlm.tokenizer import stop_token_ids
 
 TASK_NAMES = tasks.SUITE
 # The checker field a task is scored by; "exact" unless named here. A no_fly_zones answer lists many
@@ -79,7 +78,7 @@ class BenchOptions:
 @dataclass
 class BenchModels:
     clover: CloverForBlockDiffusion
-    memory_only: CloverForBlockDiffusion
+    memory_only: CloverForBlockDiffusion | None  # None: context scaling builds a random-init one (bench/context.py)
     peer: Qwen3_5MoeForCausalLM | None
     tokenizer: PreTrainedTokenizerFast  # Clover's; the peer must share it (same prompts, same ids)
     folders: dict[str, str | None]  # where each model came from, for the report
@@ -95,7 +94,7 @@ def parse_context(text: str) -> int:
     return int(digits) * kilo
 
 
-def load_models(clover_dir: Path, memory_dir: Path, peer_dir: Path | None, llama_gguf: Path | None = None) -> BenchModels:
+def load_models(clover_dir: Path, memory_dir: Path | None, peer_dir: Path | None, llama_gguf: Path | None = None) -> BenchModels:
     """Load the models (no peer when peer_dir is None, no llama.cpp without a GGUF), in the dtype this
     machine decodes fastest in; the peer is checked first, it is the one most likely missing."""
     if peer_dir is not None and not is_peer_folder(peer_dir):
@@ -103,20 +102,20 @@ def load_models(clover_dir: Path, memory_dir: Path, peer_dir: Path | None, llama
             f"no peer model at {peer_dir}: train one with `clover train --recipe convert --arch ar --out runs/convert-peer` "
             f"(a converted base; `clover train --arch {PEER_ARCH}` for a from-scratch Clover) and pass --peer, or run with --no-peer"
         )
-    tokenizer = load_tokenizer(clover_dir)
+    tokenizer = load_folder_tokenizer(clover_dir)
     dtype = inference_dtype()
     peer = None
     if peer_dir is not None:
         peer = load_peer(peer_dir, dtype)
-        if (peer_dir / "tokenizer.json").is_file() and load_tokenizer(peer_dir).get_vocab() != tokenizer.get_vocab():
+        if has_tokenizer(peer_dir) and load_folder_tokenizer(peer_dir).get_vocab() != tokenizer.get_vocab():
             raise CloverError(f"the peer at {peer_dir} uses another tokenizer than {clover_dir}: the prompts would differ")
     return BenchModels(
         clover=load_model(clover_dir, dtype),
-        memory_only=load_model(memory_dir, dtype),
+        memory_only=None if memory_dir is None else load_model(memory_dir, dtype),
         peer=peer,
         tokenizer=tokenizer,
         calibration=load_calibration(clover_dir),
-        folders={"clover": str(clover_dir), "memory_only": str(memory_dir), "peer": None if peer_dir is None else str(peer_dir),
+        folders={"clover": str(clover_dir), "memory_only": None if memory_dir is None else str(memory_dir), "peer": None if peer_dir is None else str(peer_dir),
                  "llama_cpp": None if llama_gguf is None else str(llama_gguf)},
         llama=None if llama_gguf is None else load_llama_cpp(llama_gguf, torch.get_num_threads()),
     )

@@ -28,13 +28,12 @@ from cloverlm import tasks
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.grammar import Grammars
 from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.evaluation.heldout import answer_budget, heldout_examples
 from cloverlm.serving.app import create_app
 from cloverlm.serving.background import background_server
 from cloverlm.serving.schemas import ServerConfig
 from cloverlm.serving.text import parse_tool_calls
 from cloverlm.tokenizer import stop_token_ids
-from cloverlm.training.data import heldout_examples
-from cloverlm.training.evaluate import answer_budget
 
 LOAD_SCHEMA = {
     "type": "object",
@@ -102,7 +101,7 @@ def _percentile(values: list[float], share: float) -> float:
 def _post(url: str, body: dict) -> tuple[int, dict]:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=600) as response:
+        with urllib.request.urlopen(request, timeout=ServerConfig.request_timeout_s) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, {}
@@ -161,7 +160,7 @@ def _run_clients(url: str, model_name: str, clients: int, requests: int, max_tok
     }
 
 
-def bench_load(model, tokenizer, clients: int = 32, requests: int = 10, max_tokens: int = 64,
+def bench_load(model, tokenizer, clients: int, requests: int, max_tokens: int = 64,
                block_size: int = DecodeParams.block_size, max_batch_size: int = 32, threshold: float = DecodeParams.threshold) -> dict:
     """{"single": one client, "concurrent": `clients` at once}, each sending `requests` in turn."""
     name = "clover-bench"

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from cloverlm.bench.options import BenchModels, BenchOptions, accuracy, clover_params, prompt_ids
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import AUTO, Request
-from cloverlm.training.data import heldout_examples
+from cloverlm.evaluation.heldout import heldout_examples
 
 
 def bench_block_sizes(models: BenchModels, options: BenchOptions) -> list[dict]:

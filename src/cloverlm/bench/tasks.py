@@ -23,9 +23,8 @@ from cloverlm.bench.options import (
 from cloverlm.convert.peer import peer_generate
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import Request
+from cloverlm.evaluation.heldout import TokenizedExample, answer_budget, heldout_examples
 from cloverlm.tokenizer import stop_token_ids
-from cloverlm.training.data import TokenizedExample, heldout_examples
-from cloverlm.training.evaluate import answer_budget
 
 PEER_FIELDS = ("accuracy", "wall_s_median", "tokens_per_s")
 

@@ -2,13 +2,15 @@
 
 This module holds the argument parser and main; the commands are make.py (info, tokenizer, train,
 convert) and use.py (the commands that run a model folder). They import their machinery inside the
-command functions, so that `clover --help` does not load it."""
+command functions, so that `clover --help` does not load it. A default another module owns is read
+from it (DecodeParams, ServerConfig, BenchOptions, calibrate, the packaged bases), not written again here."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from cloverlm.bench.options import BenchOptions
 from cloverlm.cli.make import cmd_convert, cmd_info, cmd_tokenizer, cmd_train
 from cloverlm.cli.use import (
     DEFAULT_MODEL,
@@ -20,10 +22,14 @@ from cloverlm.cli.use import (
     cmd_generate,
     cmd_serve,
 )
+from cloverlm.convert.base import BASES, DEFAULT_BASE
 from cloverlm.decoding.params import DecodeParams
+from cloverlm.demo.messages import GENERATED_MESSAGES
 from cloverlm.errors import CloverError
 from cloverlm.serving.schemas import ServerConfig
 from cloverlm.tasks import HELD_OUT, SUITE
+from cloverlm.training import calibrate
+from cloverlm.training.data import DEFAULT_VOCAB_SIZE
 
 
 def _block_size(value: str):
@@ -34,6 +40,11 @@ def _block_size(value: str):
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
+def _contexts(tokens) -> str:
+    """Context lengths as --contexts takes them: 1024 -> "1k"."""
+    return " ".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,14 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tokenizer", help="train the default byte-level BPE tokenizer")
     p.add_argument("--out", required=True)
-    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     p.set_defaults(func=cmd_tokenizer)
 
     p = sub.add_parser("train", help="block-diffusion training")
     p.add_argument("--preset", default="clover-tiny")
     p.add_argument("--recipe", default="default", choices=("default", "convert", "distill"),
                    help="default (from scratch), convert (LoRA over --base) or distill (an adapter's own right answers)")
-    p.add_argument("--base", default="smollm2-135m-instruct", help="--recipe convert: a packaged base or a model folder")
+    p.add_argument("--base", default=DEFAULT_BASE, help="--recipe convert: a packaged base or a model folder")
     p.add_argument(
         "--arch", default="clover",
         help="clover; qwen3.5-moe: the same-size autoregressive peer on the same data; with --recipe convert, ar: the base fine-tuned autoregressively (the peer)",
@@ -92,16 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("convert", help="a pretrained autoregressive base as a Clover model folder")
-    p.add_argument("--base", default="smollm2-135m-instruct", help="a packaged base (smollm2-135m-instruct), a Llama folder or a Qwen3.5-MoE folder")
+    p.add_argument("--base", default=DEFAULT_BASE, help=f"a packaged base ({', '.join(BASES)}), a Llama folder or a Qwen3.5-MoE folder")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("calibrate", help="fit the block-size head (block_size='auto') on held-out prompts")
     p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL}); the calibration is saved into it")
     p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
-    p.add_argument("--fit-prompts", type=int, default=16)
-    p.add_argument("--eval-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--fit-prompts", type=int, default=calibrate.FIT_PROMPTS)
+    p.add_argument("--eval-prompts", type=int, default=calibrate.EVAL_PROMPTS)
+    p.add_argument("--max-new-tokens", type=int, default=calibrate.MAX_NEW_TOKENS)
     p.set_defaults(func=cmd_calibrate)
 
     for name, func, helptext in (
@@ -117,11 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("prompt", nargs="?")
             p.add_argument("--task", help="use a held-out prompt of this task generator and score the answer")
             p.add_argument("--seed", type=int, default=0, help="which held-out prompt of --task")
-            p.add_argument("--max-new-tokens", type=int, default=256)
+            p.add_argument("--max-new-tokens", type=int, default=DecodeParams.max_new_tokens)
             p.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
             p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-            p.add_argument("--strategy", default="threshold", help="threshold (Fast-dLLM) or low_confidence (LLaDA)")
-            p.add_argument("--temperature", type=float, default=0.0)
+            p.add_argument("--strategy", default=DecodeParams.strategy, help="threshold (Fast-dLLM) or low_confidence (LLaDA)")
+            p.add_argument("--temperature", type=float, default=DecodeParams.temperature)
             p.add_argument("--sampling-seed", type=int, help="seed for sampling (temperature > 0)")
         else:
             p.add_argument("--tasks", nargs="+", default=[*SUITE, *HELD_OUT])
@@ -130,26 +141,27 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--free", action="store_true", help="decode without the answers' schemas (default: under them)")
             p.add_argument("--json")
 
+    bench, quick = BenchOptions(), BenchOptions.quick()
     p = sub.add_parser("bench", help="Clover against its autoregressive peer: accuracy, latency, context scaling")
     p.add_argument("--model", help=f"Clover model folder (default: {DEFAULT_MODEL})")
     p.add_argument("--peer", help=f"the autoregressive peer's folder (default: models/{DEFAULT_PEER})")
     p.add_argument("--no-peer", action="store_true", help="Clover only; the peer's fields are null")
-    p.add_argument("--memory-model", help="memory-only model for context scaling (default: models/clover-tiny-memory)")
-    p.add_argument("--quick", action="store_true", help="under 3 minutes on a 2-core CPU: fewer prompts, 1 repeat, 1k and 4k")
+    p.add_argument("--memory-model", help="memory-only model for context scaling (default: a random-init clover-tiny-memory)")
+    p.add_argument("--quick", action="store_true", help=f"under 3 minutes on a 2-core CPU: fewer prompts, {quick.repeats} repeat, {_contexts(quick.contexts)}")
     p.add_argument("--json", default="runs/bench.json", help="the report; its plots go next to it (default: runs/bench.json)")
-    p.add_argument("--repeats", type=int, help="timed runs of each request (default: 3; --quick: 1)")
-    p.add_argument("--prompts", type=int, help="held-out prompts spread over the tasks (default: 49; --quick: 4)")
+    p.add_argument("--repeats", type=int, help=f"timed runs of each request (default: {bench.repeats}; --quick: {quick.repeats})")
+    p.add_argument("--prompts", type=int, help=f"held-out prompts spread over the tasks (default: {bench.prompts}; --quick: {quick.prompts})")
     p.add_argument("--threads", type=int)
-    p.add_argument("--block-size", type=int, default=DecodeParams.block_size)
-    p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
-    p.add_argument("--contexts", nargs="+", metavar="N", help="context lengths (default: 1k 4k 16k 64k)")
+    p.add_argument("--block-size", type=int, default=bench.block_size)
+    p.add_argument("--threshold", type=float, default=bench.threshold)
+    p.add_argument("--contexts", nargs="+", metavar="N", help=f"context lengths (default: {_contexts(bench.contexts)})")
     p.add_argument("--draft", action="store_true", help="Clover fills blocks with prompt-lookup drafts (all-attention models)")
     p.add_argument("--llama-cpp", action="store_true",
                    help='add llama.cpp on the base\'s GGUF as a peer (needs pip install -e ".[llama]")')
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="drone no-fly zones from air-traffic messages: Clover beside its peer, 3D map")
-    p.add_argument("--messages", help="a file of your own messages, one a line (default: 20 generated ones)")
+    p.add_argument("--messages", help=f"a file of your own messages, one a line (default: {GENERATED_MESSAGES} generated ones)")
     p.add_argument("--model", help=f"Clover model folder (default: {DEFAULT_MODEL})")
     p.add_argument("--peer", help=f"the autoregressive peer's folder, or 'base': the converted model's base, not fine-tuned (default: models/{DEFAULT_PEER}, skipped if absent)")
     p.add_argument("--no-peer", action="store_true", help="Clover only")
@@ -167,12 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--served-model-name", help="the model id clients send (default: the folder's name)")
-    p.add_argument("--max-prompt-tokens", type=int, default=8192)
-    p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask for")
-    p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--block-size", type=_block_size, default=DecodeParams.block_size,
+    p.add_argument("--max-prompt-tokens", type=int, default=ServerConfig.max_prompt_tokens)
+    p.add_argument("--max-tokens", type=int, default=ServerConfig.max_tokens, help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-batch-size", type=int, default=ServerConfig.max_batch_size)
+    p.add_argument("--block-size", type=_block_size, default=ServerConfig.block_size,
                    help="the block size of requests that do not set one, or 'auto' (calibrated)")
-    p.add_argument("--threshold", type=float, default=DecodeParams.threshold, help="the unmasking threshold of requests that do not set one")
+    p.add_argument("--threshold", type=float, default=ServerConfig.threshold, help="the unmasking threshold of requests that do not set one")
     p.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout_s,
                    help="seconds after which a request ends with finish_reason time_limit")
     p.add_argument("--threads", type=int)

@@ -24,17 +24,21 @@ def default_model_dir() -> Path:
     return CHECKOUT / DEFAULT_MODEL
 
 
+def _model_dir(args) -> Path:
+    """The folder --model names, else the shipped default."""
+    return Path(args.model) if args.model else default_model_dir()
+
+
 def _load(args):
     """The folder's model, Clover or its autoregressive peer (told apart by config.json), and tokenizer."""
-    from cloverlm.convert.load import load_model
+    from cloverlm.convert.load import load_folder_tokenizer, load_model
     from cloverlm.convert.peer import is_peer_folder, load_peer
     from cloverlm.model.checkpoint import inference_dtype
-    from cloverlm.tokenizer import load_tokenizer
 
-    folder = Path(args.model) if args.model else default_model_dir()
+    folder = _model_dir(args)
     dtype = inference_dtype()
     model = load_peer(folder, dtype) if is_peer_folder(folder) else load_model(folder, dtype)
-    return model, load_tokenizer(folder)
+    return model, load_folder_tokenizer(folder)
 
 
 def _is_clover(model) -> bool:
@@ -53,8 +57,8 @@ def cmd_generate(args) -> None:
     from cloverlm import tasks
     from cloverlm.convert.peer import peer_generate
     from cloverlm.decoding.params import DecodeParams, Request
+    from cloverlm.evaluation.heldout import HELDOUT_SEED_BASE
     from cloverlm.tokenizer import StopStrings, format_chat, stop_token_ids
-    from cloverlm.training.data import HELDOUT_SEED_BASE
 
     example = None
     if args.task:
@@ -88,7 +92,7 @@ def cmd_generate(args) -> None:
             stop_token_ids=stops,
             stop=stop_strings if args.stop else None,
         )
-        folder = Path(args.model) if args.model else default_model_dir()
+        folder = _model_dir(args)
         [completion] = _engine(model, folder, args.block_size).generate([Request(ids, params, on_block=show)])
         print()
         tokens = completion.tokens
@@ -117,7 +121,7 @@ def cmd_calibrate(args) -> None:
         model, tokenizer, threshold=args.threshold, fit_prompts=args.fit_prompts, eval_prompts=args.eval_prompts,
         max_new_tokens=args.max_new_tokens,
     )
-    folder = Path(args.model) if args.model else default_model_dir()
+    folder = _model_dir(args)
     calibration.save(folder, extra=report)
     for row in report["evaluation"]:
         print(f"block size {row['block_size']!s:>4}: {row['tpf']:6.2f} tokens/forward  {row['tokens_per_s']:7.1f} tokens/s  accuracy {row['accuracy']:.3f}")
@@ -126,12 +130,12 @@ def cmd_calibrate(args) -> None:
 
 def cmd_eval(args) -> None:
     from cloverlm.decoding.calibration import load_calibration
-    from cloverlm.training.evaluate import evaluate_tasks
+    from cloverlm.evaluation.evaluate import evaluate_tasks
 
     if args.messages is not None and args.messages < 1:
         raise CloverError(f"--messages must be at least 1, got {args.messages}")
     model, tokenizer = _load(args)
-    folder = Path(args.model) if args.model else default_model_dir()
+    folder = _model_dir(args)
     sizes = {} if args.messages is None else {name: {"n_messages": args.messages} for name in ("no_fly_zones", "no_fly_zones_unseen")}
     report = evaluate_tasks(
         model, tokenizer, args.tasks, args.n, block_size=args.block_size, threshold=args.threshold,
@@ -161,13 +165,13 @@ def cmd_bench(args) -> None:
     if args.contexts:
         overrides["contexts"] = tuple(parse_context(text) for text in args.contexts)
     options = BenchOptions.quick(**overrides) if args.quick else BenchOptions(**overrides)
-    shipped = default_model_dir().parent  # the default peer and memory-only model sit next to the default model
+    shipped = default_model_dir().parent  # the default peer sits next to the default model
     peer = None
     if not args.no_peer:
         peer = Path(args.peer) if args.peer else shipped / DEFAULT_PEER
     models = load_models(
-        Path(args.model) if args.model else default_model_dir(),
-        Path(args.memory_model) if args.memory_model else shipped / "clover-tiny-memory",
+        _model_dir(args),
+        Path(args.memory_model) if args.memory_model else None,  # None: a random-init memory-only model
         peer,
         gguf_path(DEFAULT_BASE) if args.llama_cpp else None,
     )
@@ -184,7 +188,7 @@ def cmd_demo(args) -> None:
     if not args.no_peer:  # the default peer sits next to the default model
         peer = Path(args.peer) if args.peer else default_model_dir().parent / DEFAULT_PEER
     demo(
-        Path(args.model) if args.model else default_model_dir(),
+        _model_dir(args),
         peer,
         peer_required=args.peer is not None,
         messages_file=Path(args.messages) if args.messages else None,
@@ -210,7 +214,7 @@ def cmd_serve(args) -> None:
     model, tokenizer = _load(args)
     if not _is_clover(model):
         raise CloverError(f"clover serve serves Clover models only; {args.model} holds the autoregressive peer")
-    folder = Path(args.model) if args.model else default_model_dir()
+    folder = _model_dir(args)
     config = ServerConfig(
         model_name=args.served_model_name or folder.resolve().name, api_key=args.api_key,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, max_batch_size=args.max_batch_size,

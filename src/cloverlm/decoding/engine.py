@@ -44,7 +44,6 @@ import torch
 from cloverlm.decoding.params import (
     AUTO,
     MAX_BATCH_SIZE,
-    BlockRecord,
     Completion,
     Request,
     distinct_choices,

@@ -13,11 +13,10 @@ from pathlib import Path
 
 from cloverlm import tasks
 from cloverlm.errors import CloverError
+from cloverlm.evaluation.heldout import ANSWER_SLACK, HELDOUT_SEED_BASE
 from cloverlm.tasks.base import Example
 from cloverlm.tasks.no_fly_zones import format_prompt, prompt_messages
 from cloverlm.tokenizer import SPECIAL_TOKENS, format_chat
-from cloverlm.training.data import HELDOUT_SEED_BASE
-from cloverlm.training.evaluate import ANSWER_SLACK
 
 TASK = "no_fly_zones"
 GENERATED_MESSAGES = 20

@@ -43,7 +43,7 @@ from cloverlm.serving.schemas import (
 )
 from cloverlm.serving.worker import Metrics
 
-log = logging.getLogger("cloverlm.server")
+log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/decisions", "/health", "/metrics")
 

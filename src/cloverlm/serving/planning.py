@@ -131,9 +131,9 @@ class Server:
             block_size=body.block_size if body.block_size is not None else self.config.block_size,
             threshold=body.threshold if body.threshold is not None else self.config.threshold,
             max_steps=body.max_steps,
-            temperature=body.temperature or 0.0,  # greedy unless asked: the diffusion default
+            temperature=body.temperature or DecodeParams.temperature,  # greedy unless asked: the diffusion default
             top_k=max(body.top_k or 0, 0),
-            top_p=body.top_p if body.top_p is not None else 1.0,
+            top_p=body.top_p if body.top_p is not None else DecodeParams.top_p,
             seed=body.seed,
             stop_token_ids=self.stop_ids,
             stop=stops,
@@ -233,7 +233,7 @@ class Server:
         params = self.check_params(DecodeParams(
             block_size=body.block_size or self.config.block_size,
             threshold=body.threshold if body.threshold is not None else self.config.threshold,
-            max_steps=body.max_steps, temperature=body.temperature or 0.0, seed=body.seed, stop_token_ids=self.stop_ids,
+            max_steps=body.max_steps, temperature=body.temperature or DecodeParams.temperature, seed=body.seed, stop_token_ids=self.stop_ids,
         ))
         try:
             questions = [(q.question, q.options) for q in body.questions]

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from cloverlm.decoding.params import DecodeParams
+from cloverlm.decoding.params import MAX_BATCH_SIZE, DecodeParams
 
 
 @dataclass
@@ -27,7 +27,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer KEY"
     max_prompt_tokens: int = 8192
     max_tokens: int = 4096  # the largest max_tokens a request may ask for
-    default_max_tokens: int = 256
+    default_max_tokens: int = DecodeParams.max_new_tokens  # a request that does not set max_tokens
     max_body_bytes: int = 1 << 20
     max_n: int = 8
     max_stop: int = 4
@@ -36,7 +36,7 @@ class ServerConfig:
     # has produced, or 429 if it never got a batch slot. With the per-request bounds on forwards
     # (max_tokens, max_steps) no client can hold a slot for longer.
     request_timeout_s: float = 600.0
-    max_batch_size: int = 16
+    max_batch_size: int = MAX_BATCH_SIZE
     block_size: int | str = DecodeParams.block_size
     threshold: float = DecodeParams.threshold
 

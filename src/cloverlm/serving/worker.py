@@ -23,7 +23,7 @@ from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import Completion, Request
 from cloverlm.errors import CloverError
 
-log = logging.getLogger("cloverlm.server")
+log = logging.getLogger(__name__)
 
 
 # -- what the worker sends back --

@@ -18,13 +18,18 @@ from cloverlm.decoding.calibration import Calibration
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import AUTO, DecodeParams, Request, drafts_supported
 from cloverlm.errors import CloverError
+from cloverlm.evaluation.heldout import HELDOUT_SEED_BASE, encode_example
 from cloverlm.model.cache import CloverCache
 from cloverlm.model.layout import fixed_partition
 from cloverlm.tokenizer import stop_token_ids
-from cloverlm.training.data import HELDOUT_SEED_BASE, encode_example
 
 CANDIDATE_SIZES = (1, 4, 8, 16, 32, 64)
 CALIBRATION_SEED_BASE = HELDOUT_SEED_BASE + 500_000  # held out from training, apart from evaluation seeds
+# calibrate()'s defaults, which `clover calibrate` reads: prompts to fit the head on, prompts to judge it
+# on, and the most new tokens of each.
+FIT_PROMPTS = 16
+EVAL_PROMPTS = 8
+MAX_NEW_TOKENS = 128
 
 
 @torch.no_grad()
@@ -97,8 +102,8 @@ def decode_all(model, prompts, params_for, calibration=None, record: bool = Fals
     return completions, seconds
 
 
-def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fit_prompts: int = 16, eval_prompts: int = 8,
-              max_new_tokens: int = 128, sizes=None, draft: bool | None = None):
+def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fit_prompts: int = FIT_PROMPTS,
+              eval_prompts: int = EVAL_PROMPTS, max_new_tokens: int = MAX_NEW_TOKENS, sizes=None, draft: bool | None = None):
     """Fit the block-size head and judge it against every fixed size. Returns (Calibration, report).
 
     draft: decode with prompt-lookup drafts, as the model will be served (default: where the model

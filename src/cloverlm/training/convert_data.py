@@ -17,9 +17,9 @@ import torch
 from cloverlm import tasks
 from cloverlm.convert.base import check_tokenizer
 from cloverlm.errors import CloverError
+from cloverlm.evaluation.heldout import HELDOUT_SEED_BASE, encode_example
 from cloverlm.paths import DATA
 from cloverlm.tokenizer import end_of_turn_id, format_chat
-from cloverlm.training.data import HELDOUT_SEED_BASE, encode_example
 from cloverlm.training.objective import ConversionBatch, Segment, build_batch
 
 if TYPE_CHECKING:

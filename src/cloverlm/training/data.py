@@ -1,8 +1,8 @@
 """The default training mixture: standard-library source plus the project's task generators.
 
 Every batch is a pure function of (seed, step): resuming a run replays exactly the same data without
-saving any iterator state. Task examples for training use seeds below HELDOUT_SEED_BASE; evaluation
-uses seeds from it upwards, so held-out prompts are never trained on.
+saving any iterator state. Task examples for training use seeds below HELDOUT_SEED_BASE
+(cloverlm.evaluation.heldout), so held-out prompts are never trained on.
 """
 
 from __future__ import annotations
@@ -13,35 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from cloverlm import tasks
-from cloverlm.errors import CloverError
-from cloverlm.tokenizer import format_chat, train_tokenizer
+from cloverlm.evaluation.heldout import HELDOUT_SEED_BASE, encode_example
+from cloverlm.tokenizer import train_tokenizer
 from cloverlm.training.corpus import read_source, stdlib_files
 
-HELDOUT_SEED_BASE = 1_000_000_000
+DEFAULT_VOCAB_SIZE = 8192  # `clover tokenizer --vocab-size` and the trainer's default tokenizer
 
 
-@dataclass(frozen=True)
-class TokenizedExample:
-    ids: list[int]
-    prompt_length: int  # tokens before the answer (never masked in chat mode)
-    value_positions: list[int]  # answer tokens overlapping a copied value span (the copy probe)
-    example: tasks.Example
-
-
-def encode_example(tokenizer, example: tasks.Example) -> TokenizedExample:
-    prompt_text, answer_text = format_chat(tokenizer, example.prompt, example.answer, tools=list(example.tools))
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    answer = tokenizer(answer_text, add_special_tokens=False, return_offsets_mapping=True)
-    values = [
-        len(prompt_ids) + i
-        for i, (start, end) in enumerate(answer["offset_mapping"])
-        if any(start < span_end and span_start < end for span_start, span_end in example.value_spans)
-    ]
-    ids = prompt_ids + answer["input_ids"] + [tokenizer.eos_token_id]
-    return TokenizedExample(ids=ids, prompt_length=len(prompt_ids), value_positions=values, example=example)
-
-
-def build_default_tokenizer(vocab_size: int = 8192, task_samples: int = 400):
+def build_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, task_samples: int = 400):
     """Byte-level BPE over the stdlib train split plus rendered task examples (so JSON keys and message
     vocabulary get their own tokens)."""
     def texts():
@@ -129,15 +108,3 @@ class Mixture:
             is_prompt[r, : len(ids)] = torch.tensor(prompt)
             is_pad[r, : len(ids)] = False
         return Batch(input_ids, is_prompt, is_pad)
-
-
-def heldout_examples(tokenizer, task: str, count: int, max_len: int, **size) -> list[TokenizedExample]:
-    """Deterministic held-out examples that fit the context."""
-    out = []
-    for seed in range(HELDOUT_SEED_BASE, HELDOUT_SEED_BASE + 20 * count):
-        encoded = encode_example(tokenizer, tasks.generate(task, seed, **size))
-        if len(encoded.ids) <= max_len:
-            out.append(encoded)
-            if len(out) == count:
-                return out
-    raise CloverError(f"held-out {task} examples {size or ''} do not fit in {max_len} tokens; use a longer context")

@@ -19,10 +19,9 @@ from cloverlm import tasks
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.errors import CloverError
+from cloverlm.evaluation.heldout import answer_budget, encode_example
 from cloverlm.tokenizer import stop_token_ids
 from cloverlm.training.convert_data import TASK_SOURCES, sample_task_example
-from cloverlm.training.data import encode_example
-from cloverlm.training.evaluate import answer_budget
 
 
 def trajectory_example(index: int, mixture: dict[str, float], seed: int, full_size_share: float) -> tasks.Example:

@@ -9,8 +9,8 @@ import random
 import torch
 
 from cloverlm.errors import CloverError
+from cloverlm.evaluation.heldout import heldout_examples
 from cloverlm.model.layout import fixed_partition
-from cloverlm.training.data import heldout_examples
 from cloverlm.training.diffusion import diffusion_loss, mask_blocks, shift_noise
 from cloverlm.training.recipe import TrainConfig
 

@@ -15,15 +15,8 @@ from tqdm import tqdm
 from cloverlm import tasks
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.evaluation.heldout import answer_budget, heldout_examples
 from cloverlm.tokenizer import stop_token_ids
-from cloverlm.training.data import TokenizedExample, heldout_examples
-
-ANSWER_SLACK = 16
-
-
-def answer_budget(encoded: TokenizedExample) -> int:
-    """Max new tokens for a held-out example: its reference answer's length + ANSWER_SLACK."""
-    return len(encoded.ids) - encoded.prompt_length + ANSWER_SLACK
 
 
 def answer_grammar(grammars, task, example) -> str | None:
@@ -77,8 +70,8 @@ def evaluate_tasks(
     task_names,
     count: int,
     *,
-    block_size: int | str = 16,
-    threshold: float = 1.0,
+    block_size: int | str = DecodeParams.block_size,
+    threshold: float = DecodeParams.threshold,
     batch_size: int = 8,
     calibration=None,
     sizes: dict[str, dict[str, int]] | None = None,
