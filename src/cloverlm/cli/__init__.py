@@ -26,10 +26,12 @@ from cloverlm.convert.base import BASES, DEFAULT_BASE
 from cloverlm.decoding.params import DecodeParams
 from cloverlm.demo.messages import GENERATED_MESSAGES
 from cloverlm.errors import CloverError
+from cloverlm.model import plan
 from cloverlm.serving.schemas import ServerConfig
 from cloverlm.tasks import HELD_OUT, SUITE
 from cloverlm.training import calibrate
 from cloverlm.training.data import DEFAULT_VOCAB_SIZE
+from cloverlm.training.recipe import TrainConfig
 
 
 def _block_size(value: str):
@@ -55,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("preset")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plan", type=int, metavar="N_GPUS", help="per-GPU memory for FSDP training and expert-parallel serving")
-    p.add_argument("--seq-len", type=int, default=4096, help="--plan: training tokens per GPU per micro-batch")
-    p.add_argument("--context", type=int, default=32768, help="--plan: serving context per request, in tokens")
-    p.add_argument("--gpu-gib", type=float, default=80.0, help="--plan: GPU memory for the requests-per-GPU figure")
+    p.add_argument("--seq-len", type=int, default=plan.PLAN_SEQ_LEN, help="--plan: training tokens per GPU per micro-batch")
+    p.add_argument("--context", type=int, default=plan.PLAN_CONTEXT, help="--plan: serving context per request, in tokens")
+    p.add_argument("--gpu-gib", type=float, default=plan.PLAN_GPU_GIB, help="--plan: GPU memory for the requests-per-GPU figure")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("tokenizer", help="train the default byte-level BPE tokenizer")
@@ -66,19 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tokenizer)
 
     p = sub.add_parser("train", help="block-diffusion training")
-    p.add_argument("--preset", default="clover-tiny")
-    p.add_argument("--recipe", default="default", choices=("default", "convert", "distill"),
+    p.add_argument("--preset", default=TrainConfig.preset)
+    p.add_argument("--recipe", default=TrainConfig.recipe, choices=("default", "convert", "distill"),
                    help="default (from scratch), convert (LoRA over --base) or distill (an adapter's own right answers)")
     p.add_argument("--base", default=DEFAULT_BASE, help="--recipe convert: a packaged base or a model folder")
     p.add_argument(
-        "--arch", default="clover",
+        "--arch", default=TrainConfig.arch,
         help="clover; qwen3.5-moe: the same-size autoregressive peer on the same data; with --recipe convert, ar: the base fine-tuned autoregressively (the peer)",
     )
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float)
     p.add_argument("--max-steps", type=int)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--seq-len", type=int)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--lr", type=float)

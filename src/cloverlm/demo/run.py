@@ -358,7 +358,7 @@ def demo(
     peer_required: bool = False,
     messages_file: Path | None = None,
     seed: int = 0,
-    out_dir: Path = Path("outputs"),
+    out_dir: Path,
     json_path: Path | None = None,
     block_size: int = DecodeParams.block_size,
     threshold: float = DecodeParams.threshold,

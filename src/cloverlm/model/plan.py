@@ -20,6 +20,10 @@ BF16 = 2
 FP32 = 4
 MASKED_FRACTION = 0.5  # t ~ U(0, 1): half of the positions are masked, and only those reach the lm_head
 SERVING_HEADROOM = 0.9  # of a GPU's memory left after weights, the share given to caches
+# The defaults of `clover info --plan`: a training micro-batch, a serving context, an 80 GB card.
+PLAN_SEQ_LEN = 4096
+PLAN_CONTEXT = 32768
+PLAN_GPU_GIB = 80.0
 
 
 def _mixer_sizes(c: CloverConfig) -> dict[str, int]:
@@ -59,7 +63,7 @@ def _layer_activation_values(c: CloverConfig) -> int:
     return max(memory, attention) + moe + 4 * c.hidden_size  # + the two norms and residuals
 
 
-def training_plan(config: CloverConfig, gpus: int, seq_len: int = 4096) -> dict:
+def training_plan(config: CloverConfig, gpus: int, seq_len: int = PLAN_SEQ_LEN) -> dict:
     """Bytes per GPU when training with FSDP (full sharding) over `gpus` GPUs, one sequence of
     `seq_len` tokens per GPU per micro-batch, bf16 autocast and activation checkpointing per layer."""
     c = config
@@ -89,7 +93,7 @@ def training_plan(config: CloverConfig, gpus: int, seq_len: int = 4096) -> dict:
     }
 
 
-def serving_plan(config: CloverConfig, gpus: int, context: int = 32768, gpu_gib: float = 80.0) -> dict:
+def serving_plan(config: CloverConfig, gpus: int, context: int = PLAN_CONTEXT, gpu_gib: float = PLAN_GPU_GIB) -> dict:
     """Bytes per GPU when serving in bf16 with the routed experts split across `gpus` GPUs (expert
     parallelism) and everything else replicated; the cache of a request lives on the GPU serving it."""
     c = config
@@ -123,7 +127,7 @@ def serving_plan(config: CloverConfig, gpus: int, context: int = 32768, gpu_gib:
     }
 
 
-def memory_plan(config: CloverConfig, gpus: int, *, seq_len: int = 4096, context: int = 32768, gpu_gib: float = 80.0) -> dict:
+def memory_plan(config: CloverConfig, gpus: int, *, seq_len: int = PLAN_SEQ_LEN, context: int = PLAN_CONTEXT, gpu_gib: float = PLAN_GPU_GIB) -> dict:
     if not isinstance(gpus, int) or gpus < 1:
         raise CloverError(f"--plan needs at least 1 GPU, got {gpus}")
     for name, value in (("--seq-len", seq_len), ("--context", context)):
