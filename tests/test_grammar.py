@@ -264,3 +264,15 @@ def test_lookahead_keeps_unchecked_choices_the_grammar_allows_and_redecides_the_
     assert unmask([row], second[None], lookahead=True) == [True]
     assert row.block.tolist() == [25, 21, 23, 22, 22, 24, 22, 22] and not row.unchecked.any()
     assert constraint.seen == row.block.tolist()
+
+
+def test_lookahead_in_a_block_narrower_than_the_batch():
+    """A row whose block is cut short (its last block, at max_new_tokens) beside wider ones gets logits as
+    wide as the widest block: only its own targets are decided or held."""
+    vocab, mask = 64, 2
+    constraint = _Digits(list(range(20, 30)), 25, 0, vocab, 8)
+    row = DecodeRow(Request([7, 8], DecodeParams(block_size=8, threshold=0.5), constraint=constraint), 0, mask, 0)
+    row.start_block(4)
+    logits = _peaked(vocab, [None, 21, None, 22, 22, 22, 22, 22])  # 8 wide, the block 4
+    assert unmask([row], logits[None], lookahead=True) == [False]
+    assert row.block.tolist() == [25, 21, mask, 22] and row.unchecked.tolist() == [False, False, False, True]

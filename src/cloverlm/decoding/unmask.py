@@ -89,8 +89,12 @@ def unmask(rows: list[DecodeRow], logits: torch.Tensor, batched: bool = True, lo
     for index, row in enumerate(rows):
         if index in plain:
             continue
-        if row.request.constraint is not None:
-            _constrained(row, logits[index], tokens.get(index), confidence.get(index), lookahead)
+        if row.request.constraint is not None:  # the batch's width is the widest block: cut to this one's
+            width = len(row.block)
+            row_tokens, row_confidence = tokens.get(index), confidence.get(index)
+            if row_tokens is not None:
+                row_tokens, row_confidence = row_tokens[:width], row_confidence[:width]
+            _constrained(row, logits[index], row_tokens, row_confidence, lookahead)
         else:
             _general(row, logits[index, : len(row.block)].float().cpu())
     return [row.end_step() for row in rows]
