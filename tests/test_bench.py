@@ -27,10 +27,11 @@ from cloverlm.tokenizer import train_tokenizer
 from conftest import TINY, tiny_model
 
 VOCAB = 1536  # room for the tokenizer's 1,110 digit groups
-TASK_FIELDS = {"clover", "clover_b1", "peer", "peer_lookup", "llama_cpp", "speedup", "speedup_vs"}
+TASK_FIELDS = {"clover", "clover_b1", "peer", "peer_lookup", "llama_cpp", "speedup", "speedup_vs", "constrained"}
 CLOVER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s", "tpf"}
 PEER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s"}
 SWEEP_FIELDS = {"block_size", "threshold", "tpf", "tokens_per_s", "accuracy"}
+SCHEMA_FIELDS = {"parsed", "schema_valid", "truncated", "zone_exact", "tokens", "forwards", "tpf", "forced_share", "wall_s_median", "ms_per_forward"}
 CONTEXT_FIELDS = {"context", "clover_block_ms", "memory_only_block_ms", "block_tokens", "peer_token_ms", "speedup"}
 # short answers keep a run of the bench on tiny models to a few seconds
 OPTIONS = BenchOptions(
@@ -44,6 +45,8 @@ OPTIONS = BenchOptions(
     sweep_block_sizes=(4, 16),
     sweep_thresholds=(0.6, 0.95),
     threshold=0.6,  # not DecodeParams' default: the report fixture checks every section decodes at it
+    schema_prompts=2,
+    schema_messages=2,
     structured_prompts=2,
     load_clients=2,
     load_requests=1,
@@ -112,27 +115,49 @@ def png_size(path) -> tuple[int, int]:
 
 
 def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
-    assert set(report) == {"tasks", "median_exec_s", "context_scaling", "block_sizes", "thresholds", "structured", "serving", "decisions", "meta"}
+    assert set(report) == {"tasks", "median_exec_s", "context_scaling", "schema", "block_sizes", "thresholds", "structured", "serving", "decisions", "meta"}
     assert list(report["tasks"]) == ["arithmetic", "kv_retrieval"]
+    # kv_retrieval publishes an answer schema, arithmetic none: only the first decodes under a grammar
+    assert [entry["constrained"] for entry in report["tasks"].values()] == [False, True]
     for entry in report["tasks"].values():
         assert set(entry) == TASK_FIELDS
         assert set(entry["clover"]) == CLOVER_FIELDS and set(entry["peer"]) == PEER_FIELDS
-        assert set(entry["clover_b1"]) == CLOVER_FIELDS and set(entry["peer_lookup"]) == PEER_FIELDS
+        assert set(entry["clover_b1"]) == CLOVER_FIELDS
         assert entry["llama_cpp"] is None  # not loaded here
-        for model in ("clover", "clover_b1", "peer", "peer_lookup"):
+        for model in ("clover", "clover_b1", "peer"):
             assert entry[model]["wall_s_median"] > 0 and entry[model]["tokens_per_s"] > 0
         assert 0 < entry["clover"]["tpf"] <= OPTIONS.block_size
-        assert entry["clover_b1"]["tpf"] == pytest.approx(1.0, abs=1e-3)  # one token a forward
-        # greedy either way: prompt lookup changes the peer's forwards, never its answers
-        assert entry["peer_lookup"]["accuracy"] == entry["peer"]["accuracy"]
         clover_wall = entry["clover"]["wall_s_median"]
         assert entry["speedup"] == pytest.approx(entry["peer"]["wall_s_median"] / clover_wall, rel=1e-2)
         assert set(entry["speedup_vs"]) == {"clover_b1", "peer", "peer_lookup", "llama_cpp"}
-        assert entry["speedup_vs"]["peer_lookup"] == pytest.approx(entry["peer_lookup"]["wall_s_median"] / clover_wall, rel=1e-2)
         assert entry["speedup_vs"]["llama_cpp"] is None
+    free, constrained = report["tasks"]["arithmetic"], report["tasks"]["kv_retrieval"]
+    assert free["clover_b1"]["tpf"] == pytest.approx(1.0, abs=1e-3)  # one token a forward
+    # at block size 1 every token, forced or not, still needs the forward that commits it to the cache
+    assert 0 < constrained["clover_b1"]["tpf"] <= 1.0 + 1e-3
+    # greedy either way: prompt lookup changes the peer's forwards, never its answers; under a grammar the
+    # peer drafts by jump-forward instead, and peer_lookup does not run
+    assert set(free["peer_lookup"]) == PEER_FIELDS and free["peer_lookup"]["accuracy"] == free["peer"]["accuracy"]
+    assert free["speedup_vs"]["peer_lookup"] == pytest.approx(free["peer_lookup"]["wall_s_median"] / free["clover"]["wall_s_median"], rel=1e-2)
+    assert constrained["peer_lookup"] is None and constrained["speedup_vs"]["peer_lookup"] is None
     assert set(report["median_exec_s"]) == {"clover", "clover_b1", "peer", "peer_lookup", "llama_cpp"}
     assert report["median_exec_s"]["llama_cpp"] is None
     assert all(report["median_exec_s"][name] > 0 for name in ("clover", "clover_b1", "peer", "peer_lookup"))
+
+    schema = report["schema"]
+    assert set(schema) == {"clover_free", "clover_schema", "peer_schema", "schema_cost_per_forward", "tpf_gain", "speedup", "prompts", "messages"}
+    assert (schema["prompts"], schema["messages"]) == (2, 2)
+    for name in ("clover_free", "clover_schema", "peer_schema"):
+        assert set(schema[name]) == SCHEMA_FIELDS and schema[name]["ms_per_forward"] > 0
+    # under the grammar every answer that is not cut at the budget parses and validates
+    for name in ("clover_schema", "peer_schema"):
+        assert schema[name]["parsed"] == schema[name]["schema_valid"] == 1 - schema[name]["truncated"]
+        assert 0 < schema[name]["forced_share"] < 1
+    assert schema["clover_free"]["forced_share"] is None
+    assert schema["schema_cost_per_forward"] == pytest.approx(
+        schema["clover_schema"]["ms_per_forward"] / schema["clover_free"]["ms_per_forward"], rel=1e-2
+    )
+    assert schema["speedup"] == pytest.approx(schema["peer_schema"]["wall_s_median"] / schema["clover_schema"]["wall_s_median"], rel=1e-2)
 
     assert [row["context"] for row in report["context_scaling"]] == [64, 128]
     tpfs = [entry["clover"]["tpf"] for entry in report["tasks"].values()]
@@ -163,9 +188,9 @@ def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
     assert meta["models"]["peer"] == "tiny-peer"
 
 
-def test_write_report_writes_the_json_and_four_plots(report, tmp_path):
+def test_write_report_writes_the_json_and_five_plots(report, tmp_path):
     paths = write_report(report, tmp_path / "out" / "bench.json")
-    names = ["bench.json", "bench_tasks.png", "bench_context.png", "bench_block_sizes.png", "bench_thresholds.png"]
+    names = ["bench.json", "bench_tasks.png", "bench_context.png", "bench_schema.png", "bench_block_sizes.png", "bench_thresholds.png"]
     assert [path.name for path in paths] == names
     assert json.loads(paths[0].read_text()) == report
     for path in paths[1:]:
@@ -178,7 +203,7 @@ def test_without_a_peer_its_fields_are_null(models, tmp_path):
     options = BenchOptions(
         tasks=("arithmetic",), prompts=1, repeats=1, contexts=(64,), timed_forwards=1,
         sweep_task="arithmetic", sweep_prompts=1, sweep_block_sizes=(8,), sweep_thresholds=(0.9,),
-        structured_prompts=1, load_clients=1, load_requests=1, decision_prompts=1,
+        schema_prompts=1, schema_messages=1, structured_prompts=1, load_clients=1, load_requests=1, decision_prompts=1,
     )  # fmt: skip
     clover_only = BenchModels(models.clover, models.memory_only, None, models.tokenizer, {"clover": "tiny"})
     report = run_bench(clover_only, options)
@@ -188,6 +213,7 @@ def test_without_a_peer_its_fields_are_null(models, tmp_path):
     assert report["median_exec_s"]["peer"] is None and report["median_exec_s"]["clover"] > 0
     (row,) = report["context_scaling"]
     assert row["peer_token_ms"] is None and row["speedup"] is None and row["clover_block_ms"] > 0
+    assert report["schema"]["peer_schema"] is None and report["schema"]["speedup"] is None
     for path in write_report(report, tmp_path / "bench.json")[1:]:
         assert png_size(path)[0] >= 600
 
@@ -243,6 +269,20 @@ def test_spread_parse_and_option_errors():
     with pytest.raises(CloverError, match="cannot cover 4 tasks"):
         BenchOptions(prompts=3).validate()
     assert BenchOptions.quick(repeats=2).repeats == 2 and BenchOptions.quick().contexts == (1024, 4096)
+    with pytest.raises(CloverError, match=r"unknown bench sections \['schemas'\]: choose from tasks, context_scaling, schema"):
+        BenchOptions(sections=("schemas",)).validate()
+    with pytest.raises(CloverError, match="context_scaling section needs the tasks section"):
+        BenchOptions(sections=("context_scaling",)).validate()
+
+
+def test_sections_run_only_what_is_asked_and_free_decodes_without_grammars(models, tmp_path):
+    report = run_bench(models, dataclasses.replace(OPTIONS, sections=("tasks", "schema"), free=True, repeats=1))
+    assert set(report) == {"tasks", "median_exec_s", "schema", "meta"}
+    assert [entry["constrained"] for entry in report["tasks"].values()] == [False, False]
+    entry = report["tasks"]["kv_retrieval"]  # free: the peer with prompt lookup runs here too
+    assert set(entry["peer_lookup"]) == PEER_FIELDS and entry["peer_lookup"]["accuracy"] == entry["peer"]["accuracy"]
+    paths = write_report(report, tmp_path / "bench.json")
+    assert [path.name for path in paths] == ["bench.json", "bench_tasks.png", "bench_schema.png"]
 
 
 def test_llama_cpp_without_the_package_is_one_line(monkeypatch, tmp_path):
@@ -281,5 +321,5 @@ def test_cli_quick_run_on_saved_tiny_models(models, tokenizer, tmp_path, capsys)
     for model in ("clover", "peer"):
         per_task = [entry[model]["wall_s_median"] for entry in report["tasks"].values()]
         assert report["median_exec_s"][model] == pytest.approx(statistics.median(per_task), rel=1e-3)
-    for suffix in ("tasks", "context", "block_sizes", "thresholds"):
+    for suffix in ("tasks", "context", "schema", "block_sizes", "thresholds"):
         assert (tmp_path / "report" / f"quick_{suffix}.png").stat().st_size > 10_000

@@ -35,6 +35,8 @@ RUNNER_LABELS = {
     "peer_lookup": "peer: generate + prompt lookup", "llama_cpp": "llama.cpp (base GGUF)",
 }
 RUNNERS = tuple(RUNNER_LABELS)
+# The report's sections, in the order they run (bench/run.py documents each).
+SECTIONS = ("tasks", "context_scaling", "schema", "block_sizes", "thresholds", "structured", "serving", "decisions")
 
 
 @dataclass
@@ -45,6 +47,8 @@ class BenchOptions:
     block_size: int = DecodeParams.block_size
     threshold: float = DecodeParams.threshold
     draft: bool = False  # Clover fills blocks with prompt-lookup drafts (all-attention models)
+    free: bool = False  # the tasks section decodes answers without their schemas (default: under them)
+    sections: tuple[str, ...] = SECTIONS
     peer_lookup: int = 10  # peer (b): transformers' prompt_lookup_num_tokens
     contexts: tuple[int, ...] = (1024, 4096, 16384, 65536)
     timed_forwards: int = 10  # per context-scaling measurement (median reported)
@@ -52,6 +56,8 @@ class BenchOptions:
     sweep_prompts: int = 4
     sweep_block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)
     sweep_thresholds: tuple[float, ...] = (0.5, 0.7, 0.8, 0.9, 0.95)
+    schema_prompts: int = 20  # no_fly_zones prompts decoded free and under the answer's schema
+    schema_messages: int = 20
     structured_prompts: int = 8  # tool_call prompts decoded free and under the grammar
     load_clients: int = 32  # the serving load test: concurrent clients x requests each
     load_requests: int = 10
@@ -62,13 +68,18 @@ class BenchOptions:
         """A run of under 3 minutes on a 2-core CPU: one prompt per task, one repeat, short contexts."""
         fast = dict(prompts=4, repeats=1, contexts=(1024, 4096), timed_forwards=5, sweep_prompts=1, sweep_block_sizes=(4, 16, 64),
                     sweep_thresholds=(0.5, 0.9),
-                    structured_prompts=2, load_clients=4, load_requests=2, decision_prompts=2)
+                    schema_prompts=1, schema_messages=4, structured_prompts=2, load_clients=4, load_requests=2, decision_prompts=2)
         return cls(**{**fast, **overrides})
 
     def validate(self) -> None:
+        unknown = [name for name in self.sections if name not in SECTIONS]
+        if unknown or not self.sections:
+            raise CloverError(f"unknown bench sections {unknown or '(none given)'}: choose from {', '.join(SECTIONS)}")
+        if "context_scaling" in self.sections and "tasks" not in self.sections:
+            raise CloverError("the context_scaling section needs the tasks section: it reads Clover's TPF from there")
         if self.prompts < len(self.tasks):
             raise CloverError(f"{self.prompts} prompts cannot cover {len(self.tasks)} tasks: give at least one per task")
-        for name in ("repeats", "timed_forwards", "sweep_prompts"):
+        for name in ("repeats", "timed_forwards", "sweep_prompts", "schema_prompts", "schema_messages"):
             if getattr(self, name) < 1:
                 raise CloverError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.contexts or min(self.contexts) < 1:

@@ -1,5 +1,6 @@
-"""The `clover bench` report on disk: the JSON and, next to it, one PNG plot per section that has one
-(`<stem>_tasks.png`, `<stem>_context.png`, `<stem>_block_sizes.png`, `<stem>_thresholds.png`)."""
+"""The `clover bench` report on disk: the JSON and, next to it, one PNG plot per section that has one and
+ran (`<stem>_tasks.png`, `<stem>_context.png`, `<stem>_schema.png`, `<stem>_block_sizes.png`,
+`<stem>_thresholds.png`)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,23 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from cloverlm.bench.options import RUNNER_LABELS, RUNNERS
+from cloverlm.bench.schema import SCHEMA_RUNNERS
 from cloverlm.decoding.params import AUTO
 
 
 def write_report(report: dict, json_path: Path) -> list[Path]:
-    """The JSON at json_path and the four plots next to it; returns the paths written."""
+    """The JSON at json_path and the plots of the sections it holds next to it; returns the paths written."""
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=1) + "\n")
-    plots = {"tasks": _plot_tasks, "context": _plot_context, "block_sizes": _plot_block_sizes, "thresholds": _plot_thresholds}
+    plots = {  # file suffix: (section, plot)
+        "tasks": ("tasks", _plot_tasks), "context": ("context_scaling", _plot_context), "schema": ("schema", _plot_schema),
+        "block_sizes": ("block_sizes", _plot_block_sizes), "thresholds": ("thresholds", _plot_thresholds),
+    }
     paths = [json_path]
-    for suffix, plot in plots.items():
+    for suffix, (section, plot) in plots.items():
+        if section not in report:
+            continue
         figure = Figure(figsize=(7, 4.5), layout="constrained")
         FigureCanvasAgg(figure)
         plot(figure.add_subplot(), report)
@@ -71,6 +78,24 @@ def _plot_context(axes, report: dict) -> None:
     axes.set_ylim(bottom=0)
     axes.set_title("Decoding cost against context")
     axes.legend()
+
+
+def _plot_schema(axes, report: dict) -> None:
+    section = report["schema"]
+    runners = [name for name in SCHEMA_RUNNERS if section[name]]
+    measures = {"schema-valid": "schema_valid", "zone exact": "zone_exact"}
+    width = 0.8 / len(runners)
+    for offset, name in enumerate(runners):
+        xs = [x - 0.4 + width * (offset + 0.5) for x in range(len(measures))]
+        row = section[name]
+        label = f"{name.replace('_', ', ')}: TPF {row['tpf']:.2f}, {row['wall_s_median']:.1f} s a request"
+        axes.bar(xs, [row[key] for key in measures.values()], width=width, label=label)
+    axes.set_xticks(list(range(len(measures))), list(measures))
+    axes.set_ylim(0, 1.3)  # headroom for the legend
+    axes.set_ylabel("share of answers / of zones")
+    speedup = f", speedup over the peer {section['speedup']:.2f}x" if section["speedup"] else ""
+    axes.set_title(f"no_fly_zones as JSON ({section['prompts']} prompts, {section['messages']} messages){speedup}", fontsize="medium")
+    axes.legend(fontsize="small", loc="upper left")
 
 
 def _plot_block_sizes(axes, report: dict) -> None:

@@ -4,7 +4,9 @@ Each section is one function and one key of the JSON report, in its own module o
 (what they share, the options and the models, is in `cloverlm.bench.options`):
 
 * `tasks` and `median_exec_s` (bench_tasks, `cloverlm.bench.tasks`): held-out prompts spread over
-  the tasks (49 by default, the 49-task view), decoded one request at a time (batch 1: latency).
+  the tasks (49 by default, the 49-task view), decoded one request at a time (batch 1: latency),
+  each answer under its schema (the task's answer_schema, or the offered tools' call grammar; the peer
+  with jump-forward, peer_lookup only on prompts without one) unless `free`.
   After a warm-up request per model, Clover and the peer alternate request by request, so drift in
   the machine's speed hits both alike; every request runs `repeats` times and its wall time is the
   median of its runs. Per task: accuracy by the task's checker (the mean of its "exact" field;
@@ -24,6 +26,9 @@ Each section is one function and one key of the JSON report, in its own module o
     - speedup = peer_token_ms * block_tokens / clover_block_ms: the peer's time to produce the tokens
       one Clover block forward yields, over the time of that forward.
   Timed fused forwards each commit one more block, so the context grows by a few blocks while timing.
+* `schema` (bench_schema, `cloverlm.bench.schema`): no-fly-zone extraction as JSON, Clover free and
+  under the answer's schema and the peer under the schema: parsed, schema-valid, zone exact, TPF, the
+  forced-token share, the cost of a constrained forward against a free one, and the speedup.
 * `block_sizes` (bench_block_sizes, `cloverlm.bench.sweeps`): Clover's TPF and accuracy at fixed
   block sizes on one task, and at block_size "auto" when the Clover folder holds a calibration
   (`clover calibrate`); `thresholds` (bench_thresholds): the same at the bench's block size per
@@ -51,25 +56,34 @@ import transformers
 from cloverlm.bench.context import bench_context
 from cloverlm.bench.decisions import bench_decisions
 from cloverlm.bench.options import BenchModels, BenchOptions
+from cloverlm.bench.schema import bench_schema
 from cloverlm.bench.serving import bench_load, bench_structured
 from cloverlm.bench.sweeps import bench_block_sizes, bench_thresholds
 from cloverlm.bench.tasks import bench_tasks
 
 
 def run_bench(models: BenchModels, options: BenchOptions) -> dict:
-    """All sections, in the JSON shape documented above, plus "meta"."""
+    """The sections in options.sections (all by default), in the JSON shape documented above, plus "meta";
+    a section not run is absent from the report."""
     options.validate()
-    task_report, median_exec_s, tpf = bench_tasks(models, options)
+    clover, tokenizer, block_size, threshold = models.clover, models.tokenizer, options.block_size, options.threshold
+    report: dict = {}
+    if "tasks" in options.sections:
+        report["tasks"], report["median_exec_s"], tpf = bench_tasks(models, options)
+    sections = {
+        "context_scaling": lambda: bench_context(models, options, tpf),
+        "schema": lambda: bench_schema(models, options),
+        "block_sizes": lambda: bench_block_sizes(models, options),
+        "thresholds": lambda: bench_thresholds(models, options),
+        "structured": lambda: bench_structured(clover, tokenizer, options.structured_prompts, block_size, threshold),
+        "serving": lambda: bench_load(clover, tokenizer, options.load_clients, options.load_requests, block_size=block_size, threshold=threshold),
+        "decisions": lambda: bench_decisions(clover, tokenizer, options.decision_prompts, threshold=threshold),
+    }
+    for name, section in sections.items():
+        if name in options.sections:
+            report[name] = section()
     return {
-        "tasks": task_report,
-        "median_exec_s": median_exec_s,
-        "context_scaling": bench_context(models, options, tpf),
-        "block_sizes": bench_block_sizes(models, options),
-        "thresholds": bench_thresholds(models, options),
-        "structured": bench_structured(models.clover, models.tokenizer, options.structured_prompts, options.block_size, options.threshold),
-        "serving": bench_load(models.clover, models.tokenizer, options.load_clients, options.load_requests,
-                              block_size=options.block_size, threshold=options.threshold),
-        "decisions": bench_decisions(models.clover, models.tokenizer, options.decision_prompts, threshold=options.threshold),
+        **report,
         "meta": {
             "models": models.folders,
             "torch_threads": torch.get_num_threads(),

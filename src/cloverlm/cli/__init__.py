@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=bench.threshold)
     p.add_argument("--contexts", nargs="+", metavar="N", help=f"context lengths (default: {_contexts(bench.contexts)})")
     p.add_argument("--draft", action="store_true", help="Clover fills blocks with prompt-lookup drafts (all-attention models)")
+    p.add_argument("--free", action="store_true", help="the tasks section decodes without the answers' schemas (default: under them)")
+    p.add_argument("--sections", nargs="+", metavar="NAME", help=f"run only these sections (default: all: {' '.join(bench.sections)})")
+    p.add_argument("--schema-prompts", type=int, help=f"no_fly_zones prompts of the schema section (default: {bench.schema_prompts}; --quick: {quick.schema_prompts})")
     p.add_argument("--llama-cpp", action="store_true",
                    help='add llama.cpp on the base\'s GGUF as a peer (needs pip install -e ".[llama]")')
     p.set_defaults(func=cmd_bench)

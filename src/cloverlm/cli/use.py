@@ -157,14 +157,16 @@ def cmd_bench(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    overrides = {"block_size": args.block_size, "threshold": args.threshold, "draft": args.draft}
-    if args.repeats is not None:
-        overrides["repeats"] = args.repeats
-    if args.prompts is not None:
-        overrides["prompts"] = args.prompts
+    overrides = {"block_size": args.block_size, "threshold": args.threshold, "draft": args.draft, "free": args.free}
+    for name in ("repeats", "prompts", "schema_prompts"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.sections:
+        overrides["sections"] = tuple(args.sections)
     if args.contexts:
         overrides["contexts"] = tuple(parse_context(text) for text in args.contexts)
     options = BenchOptions.quick(**overrides) if args.quick else BenchOptions(**overrides)
+    options.validate()  # before minutes of model loading
     shipped = default_model_dir().parent  # the default peer sits next to the default model
     peer = None
     if not args.no_peer:

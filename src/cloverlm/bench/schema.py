@@ -1,0 +1,127 @@
+"""The `schema` section of `clover bench`: structured extraction as a user would run it, the no-fly zones
+of `schema_messages` air-traffic messages returned as JSON, on `schema_prompts` held-out prompts.
+
+Each prompt is decoded one request at a time (batch 1: latency) by three runners, in turn prompt by
+prompt, so drift in the machine's speed hits them alike:
+* clover_free: Clover at the bench's block size and threshold, no grammar;
+* clover_schema: the same under the answer's JSON schema (the task's `answer_schema`), whose grammar
+  writes every key, quote and bracket into the block without a forward;
+* peer_schema: the autoregressive peer under the same grammar, with jump-forward decoding (forced runs
+  read in one forward: convert/peer.py's peer_generate_constrained).
+
+Per runner: parsed and schema_valid (shares of answers that parse as JSON / validate against the
+schema), truncated (share cut at the answer budget, the reference's length + ANSWER_SLACK tokens, as
+`clover eval` cuts them: under the schema the only way not to validate), zone_exact (mean zone_exact_match), tokens and forwards summed over the prompts, tpf (tokens
+per forward), forced_share (share of the answer tokens the grammar fixed; null when free),
+wall_s_median (median wall seconds per request), ms_per_forward (summed wall over summed forwards).
+Then, from the same run:
+* schema_cost_per_forward = clover_schema ms_per_forward / clover_free ms_per_forward: what the grammar
+  adds to a forward (its masks are computed on the host between forwards);
+* tpf_gain = clover_schema tpf / clover_free tpf;
+* speedup = peer_schema wall_s_median / clover_schema wall_s_median (null without a peer).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jsonschema
+from tqdm import tqdm
+
+from cloverlm import tasks
+from cloverlm.bench.options import BenchModels, BenchOptions, clover_params, prompt_ids, ratio
+from cloverlm.convert.peer import peer_generate_constrained
+from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.grammar import Grammars
+from cloverlm.decoding.params import Request
+from cloverlm.evaluation.evaluate import forced_count
+from cloverlm.evaluation.heldout import answer_budget, heldout_examples
+from cloverlm.tokenizer import parse_json, stop_token_ids
+
+SCHEMA_TASK = "no_fly_zones"
+SCHEMA_RUNNERS = ("clover_free", "clover_schema", "peer_schema")
+
+
+def _schema_valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def bench_schema(models: BenchModels, options: BenchOptions) -> dict:
+    """The `schema` report; fields in the module docstring."""
+    tokenizer = models.tokenizer
+    task = tasks.get_task(SCHEMA_TASK)
+    stops = stop_token_ids(tokenizer)
+    grammars = Grammars(tokenizer, models.clover.config.vocab_size, stops)
+    examples = heldout_examples(tokenizer, SCHEMA_TASK, options.schema_prompts, 1 << 30, n_messages=options.schema_messages)
+    schemas = [task.answer_schema(encoded.example) for encoded in examples]
+    grammar = [grammars.json_schema(schema) for schema in schemas]
+    engine = Engine(models.clover, max_batch_size=1)
+
+    def clover(index: int, constrained: bool) -> tuple[list[int], int]:
+        encoded = examples[index]
+        constraint = grammars.constraint(grammar[index]) if constrained else None
+        params = clover_params(encoded, options, tokenizer, options.block_size)
+        [completion] = engine.generate([Request(prompt_ids(encoded), params, constraint=constraint)])
+        return completion.tokens, completion.forwards
+
+    def peer(index: int) -> tuple[list[int], int]:
+        encoded = examples[index]
+        out = peer_generate_constrained(
+            models.peer, prompt_ids(encoded), grammars.constraint(grammar[index]), answer_budget(encoded), stops
+        )
+        return out.tokens, out.forwards
+
+    runners = {"clover_free": lambda i: clover(i, False), "clover_schema": lambda i: clover(i, True)}
+    if models.peer is not None:
+        runners["peer_schema"] = peer
+    for run in runners.values():
+        run(0)  # warm-up: one-time allocations and the grammar compiler stay out of the timings
+    rows: dict[str, list[dict]] = {name: [] for name in runners}
+    with tqdm(total=len(examples) * len(runners), desc="schema") as bar:
+        for index, encoded in enumerate(examples):
+            for name, run in runners.items():
+                started = time.perf_counter()
+                tokens, forwards = run(index)
+                wall = time.perf_counter() - started
+                text = tokenizer.decode(tokens)
+                constrained = name != "clover_free"
+                rows[name].append({
+                    "tokens": len(tokens), "forwards": forwards, "wall": wall,
+                    "parsed": parse_json(text, "[") is not None,
+                    "valid": _schema_valid(text, schemas[index]),
+                    "truncated": len(tokens) >= answer_budget(encoded),
+                    "zone_exact": task.check(encoded.example, text)["zone_exact_match"],
+                    "forced": forced_count(grammars.constraint(grammar[index]), tokens) if constrained else None,
+                })  # fmt: skip
+                bar.update()
+
+    report: dict = {name: _summary(rows[name]) if name in rows else None for name in SCHEMA_RUNNERS}
+    free, constrained, peer_report = report["clover_free"], report["clover_schema"], report["peer_schema"]
+    report["schema_cost_per_forward"] = ratio(constrained["ms_per_forward"], free["ms_per_forward"])
+    report["tpf_gain"] = ratio(constrained["tpf"], free["tpf"])
+    report["speedup"] = ratio(peer_report and peer_report["wall_s_median"], constrained["wall_s_median"])
+    report["prompts"], report["messages"] = len(examples), options.schema_messages
+    return report
+
+
+def _summary(rows: list[dict]) -> dict:
+    tokens, forwards, wall = (sum(row[key] for row in rows) for key in ("tokens", "forwards", "wall"))
+    forced = [row["forced"] for row in rows if row["forced"] is not None]
+    return {
+        "parsed": round(statistics.mean(row["parsed"] for row in rows), 4),
+        "schema_valid": round(statistics.mean(row["valid"] for row in rows), 4),
+        "truncated": round(statistics.mean(row["truncated"] for row in rows), 4),
+        "zone_exact": round(statistics.mean(row["zone_exact"] for row in rows), 4),
+        "tokens": tokens,
+        "forwards": forwards,
+        "tpf": round(tokens / max(forwards, 1), 3),
+        "forced_share": round(sum(forced) / max(tokens, 1), 3) if forced else None,
+        "wall_s_median": round(statistics.median(row["wall"] for row in rows), 4),
+        "ms_per_forward": round(1000 * wall / max(forwards, 1), 2),
+    }
