@@ -264,6 +264,12 @@ def test_lookahead_keeps_unchecked_choices_the_grammar_allows_and_redecides_the_
     assert unmask([row], second[None], lookahead=True) == [True]
     assert row.block.tolist() == [25, 21, 23, 22, 22, 24, 22, 22] and not row.unchecked.any()
     assert constraint.seen == row.block.tolist()
+    # without lookahead only the leftmost run commits: the sure choices right of it stay masked
+    leftmost = DecodeRow(Request([7, 8], DecodeParams(block_size=8, threshold=0.5),
+                                 constraint=_Digits(list(range(20, 30)), 25, 0, vocab, 8)), 0, mask, 0)
+    leftmost.start_block(8)
+    assert unmask([leftmost], first[None], lookahead=False) == [False]
+    assert leftmost.block.tolist() == [25, 21] + [mask] * 6 and not leftmost.unchecked.any()
 
 
 def test_lookahead_in_a_block_narrower_than_the_batch():

@@ -66,13 +66,15 @@ class Engine:
 
     def __init__(
         self, model: CloverForBlockDiffusion, max_batch_size: int = MAX_BATCH_SIZE, calibration=None, record_blocks: bool = False,
-        batched_unmask: bool = True, lookahead: bool = False,
+        batched_unmask: bool = True, lookahead: bool = True,
     ):
         """calibration: a `cloverlm.decoding.calibration.Calibration`, needed for block_size="auto".
         record_blocks: keep a BlockRecord per finished block in each Completion (calibration fitting).
         batched_unmask=False decides every row on the host, one by one (the reference the batched rule
-        is tested against). lookahead: under a grammar, keep confident choices right of the grammar's
-        reach, unchecked until it gets there (cloverlm.decoding.unmask)."""
+        is tested against). lookahead (the default): under a grammar, keep confident choices right of the
+        grammar's reach, unchecked until it gets there (cloverlm.decoding.unmask); False commits only the
+        leftmost run. On 20 no_fly prompts at B = 16 it took TPF 5.66 -> 6.09 and wall -6% at the same
+        parse rate (models/README.md)."""
         self.batched_unmask = batched_unmask
         self.lookahead = lookahead
         if max_batch_size < 1:
