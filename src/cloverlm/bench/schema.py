@@ -11,12 +11,15 @@ prompt, so drift in the machine's speed hits them alike:
 
 Per runner: parsed and schema_valid (shares of answers that parse as JSON / validate against the
 schema), truncated (share cut at the answer budget, the reference's length + ANSWER_SLACK tokens, as
-`clover eval` cuts them: under the schema the only way not to validate), zone_exact (mean zone_exact_match), tokens and forwards summed over the prompts, tpf (tokens
-per forward), forced_share (share of the answer tokens the grammar fixed; null when free),
-wall_s_median (median wall seconds per request), ms_per_forward (summed wall over summed forwards).
+`clover eval` cuts them: under the schema the only way not to validate), zone_exact (mean
+zone_exact_match), tokens and forwards summed over the prompts, tpf (tokens per forward), forced_share
+(share of the answer tokens the grammar fixed; null when free), wall_s_median (median wall seconds per
+request), ms_per_forward (summed wall over summed forwards, the prompt's prefill included: fewer
+forwards share it, so this rises as TPF does), grammar_ms_per_forward (time inside the grammar's calls,
+masks, checks, advances and forced runs, over forwards; null when free).
 Then, from the same run:
-* schema_cost_per_forward = clover_schema ms_per_forward / clover_free ms_per_forward: what the grammar
-  adds to a forward (its masks are computed on the host between forwards);
+* schema_cost_per_forward = 1 + clover_schema grammar_ms_per_forward / clover_free ms_per_forward: a
+  constrained forward's cost over a free one's, the grammar's host work being the difference;
 * tpf_gain = clover_schema tpf / clover_free tpf;
 * speedup = peer_schema wall_s_median / clover_schema wall_s_median (null without a peer).
 """
@@ -63,19 +66,18 @@ def bench_schema(models: BenchModels, options: BenchOptions) -> dict:
     grammar = [grammars.json_schema(schema) for schema in schemas]
     engine = Engine(models.clover, max_batch_size=1)
 
-    def clover(index: int, constrained: bool) -> tuple[list[int], int]:
+    def clover(index: int, constrained: bool) -> tuple[list[int], int, float | None]:
         encoded = examples[index]
-        constraint = grammars.constraint(grammar[index]) if constrained else None
+        constraint = _TimedConstraint(grammars.constraint(grammar[index])) if constrained else None
         params = clover_params(encoded, options, tokenizer, options.block_size)
         [completion] = engine.generate([Request(prompt_ids(encoded), params, constraint=constraint)])
-        return completion.tokens, completion.forwards
+        return completion.tokens, completion.forwards, constraint and constraint.seconds
 
-    def peer(index: int) -> tuple[list[int], int]:
+    def peer(index: int) -> tuple[list[int], int, float]:
         encoded = examples[index]
-        out = peer_generate_constrained(
-            models.peer, prompt_ids(encoded), grammars.constraint(grammar[index]), answer_budget(encoded), stops
-        )
-        return out.tokens, out.forwards
+        constraint = _TimedConstraint(grammars.constraint(grammar[index]))
+        out = peer_generate_constrained(models.peer, prompt_ids(encoded), constraint, answer_budget(encoded), stops)
+        return out.tokens, out.forwards, constraint.seconds
 
     runners = {"clover_free": lambda i: clover(i, False), "clover_schema": lambda i: clover(i, True)}
     if models.peer is not None:
@@ -87,12 +89,12 @@ def bench_schema(models: BenchModels, options: BenchOptions) -> dict:
         for index, encoded in enumerate(examples):
             for name, run in runners.items():
                 started = time.perf_counter()
-                tokens, forwards = run(index)
+                tokens, forwards, grammar_seconds = run(index)
                 wall = time.perf_counter() - started
                 text = tokenizer.decode(tokens)
                 constrained = name != "clover_free"
                 rows[name].append({
-                    "tokens": len(tokens), "forwards": forwards, "wall": wall,
+                    "tokens": len(tokens), "forwards": forwards, "wall": wall, "grammar": grammar_seconds,
                     "parsed": parse_json(text, "[") is not None,
                     "valid": _schema_valid(text, schemas[index]),
                     "truncated": len(tokens) >= answer_budget(encoded),
@@ -103,7 +105,8 @@ def bench_schema(models: BenchModels, options: BenchOptions) -> dict:
 
     report: dict = {name: _summary(rows[name]) if name in rows else None for name in SCHEMA_RUNNERS}
     free, constrained, peer_report = report["clover_free"], report["clover_schema"], report["peer_schema"]
-    report["schema_cost_per_forward"] = ratio(constrained["ms_per_forward"], free["ms_per_forward"])
+    grammar_ms = constrained["grammar_ms_per_forward"]
+    report["schema_cost_per_forward"] = round(1 + grammar_ms / free["ms_per_forward"], 3)
     report["tpf_gain"] = ratio(constrained["tpf"], free["tpf"])
     report["speedup"] = ratio(peer_report and peer_report["wall_s_median"], constrained["wall_s_median"])
     report["prompts"], report["messages"] = len(examples), options.schema_messages
@@ -124,4 +127,31 @@ def _summary(rows: list[dict]) -> dict:
         "forced_share": round(sum(forced) / max(tokens, 1), 3) if forced else None,
         "wall_s_median": round(statistics.median(row["wall"] for row in rows), 4),
         "ms_per_forward": round(1000 * wall / max(forwards, 1), 2),
+        "grammar_ms_per_forward": round(1000 * sum(row["grammar"] for row in rows) / max(forwards, 1), 3) if forced else None,
     }
+
+
+class _TimedConstraint:
+    """A constraint that adds up the seconds spent inside it (the grammar's host work)."""
+
+    def __init__(self, constraint):
+        self.constraint, self.seconds = constraint, 0.0
+
+    def _timed(self, method, *args):
+        started = time.perf_counter()
+        try:
+            return method(*args)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def allowed(self):
+        return self._timed(self.constraint.allowed)
+
+    def allows(self, token: int) -> bool:
+        return self._timed(self.constraint.allows, token)
+
+    def advance(self, token: int) -> None:
+        self._timed(self.constraint.advance, token)
+
+    def forced(self) -> list[int]:
+        return self._timed(self.constraint.forced)
