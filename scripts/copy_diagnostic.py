@@ -24,9 +24,9 @@ from cloverlm.evaluation.heldout import encode_example
 from cloverlm.model.config import preset_config
 from cloverlm.tasks import Example
 from cloverlm.tokenizer import load_tokenizer
-from cloverlm.training.archs import ARCHS
-from cloverlm.training.data import Batch, Mixture
-from cloverlm.training.recipe import Stage, TrainConfig
+from cloverlm.training.scratch.archs import ARCHS
+from cloverlm.training.scratch.data import Batch, Mixture
+from cloverlm.training.scratch.recipe import Stage, TrainConfig
 
 
 def copy_example(rng: random.Random, alphabet: str, lengths: tuple[int, int]) -> Example:

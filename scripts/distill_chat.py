@@ -29,7 +29,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cloverlm.tokenizer import IM_END, chat_template, format_chat
-from cloverlm.training.corpus import read_source, stdlib_files, stdlib_root
+from cloverlm.training.scratch.corpus import read_source, stdlib_files, stdlib_root
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SEED = 0

@@ -22,45 +22,8 @@ import torch
 from cloverlm.convert.base import load_base
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.convert.peer import load_peer
-from cloverlm.decoding.engine import Engine
-from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.evaluation.chat import chat_agreement, read_chat
 from cloverlm.evaluation.evaluate import evaluate_tasks
-from cloverlm.tokenizer import format_chat, stop_token_ids
-from cloverlm.training.convert_data import read_chat
-
-
-def chat_agreement(model, tokenizer, records: list[dict]) -> dict:
-    """How close the model stays to the base on held-out chat prompts, three ways:
-    free-running: the share of the base's answer tokens that the model's B = 1 greedy answer matches
-    position by position (one early divergence shifts everything after it, so this is strict), the
-    share of answers reproduced whole, and the median first divergence;
-    teacher-forced: the share of the base's answer tokens that are the model's argmax given the
-    base's own prefix (the per-token agreement, free of that compounding)."""
-    engine = Engine(model, max_batch_size=8)
-    prompts = [tokenizer(format_chat(tokenizer, r["prompt"])[0], add_special_tokens=False)["input_ids"] for r in records]
-    for index, (prompt, record) in enumerate(zip(prompts, records)):
-        params = DecodeParams(max_new_tokens=len(record["answer_ids"]), block_size=1, stop_token_ids=stop_token_ids(tokenizer))
-        engine.submit(Request(prompt, params, request_id=index))
-    same = total = whole = 0
-    divergences = []
-    for completion in engine.run():
-        reference = records[completion.request_id]["answer_ids"]
-        same += sum(a == b for a, b in zip(completion.tokens, reference))
-        total += len(reference)
-        whole += completion.tokens == reference
-        divergences.append(next((i for i, (a, b) in enumerate(zip(completion.tokens, reference)) if a != b), len(reference)))
-    forced = forced_total = 0
-    with torch.no_grad():
-        for prompt, record in zip(prompts, records):
-            ids = torch.tensor([prompt + record["answer_ids"]])
-            predicted = model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
-            forced += int((predicted == ids[0, len(prompt) :]).sum())
-            forced_total += len(record["answer_ids"])
-    return {
-        "prompts": len(records), "token_agreement": round(same / max(total, 1), 4),
-        "answers_equal": round(whole / len(records), 4), "median_first_divergence": sorted(divergences)[len(divergences) // 2],
-        "teacher_forced_agreement": round(forced / max(forced_total, 1), 4),
-    }  # fmt: skip
 
 
 def main() -> None:

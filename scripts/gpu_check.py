@@ -31,9 +31,9 @@ from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.errors import CloverError
 from cloverlm.model.config import CHUNK_SIZE
+from cloverlm.model.layout import block_partition
 from cloverlm.ops import fla_backend
-from cloverlm.training.diffusion import NoisedBatch, diffusion_loss, mask_blocks
-from cloverlm.training.objective import block_partition
+from cloverlm.training.scratch.diffusion import NoisedBatch, diffusion_loss, mask_blocks
 
 BLOCK_SIZES = [1, 4, 8, 16, 32, 64]  # the widest stage of the training recipe's mix
 

@@ -1,12 +1,20 @@
 """Training throughput of the conversion trainer: tokens per second and the share of time in attention.
 
     .venv/bin/python scripts/train_throughput.py --steps 4 --threads 2                 # this CPU, one row
+    .venv/bin/python scripts/train_throughput.py --threads 2 --variants fp32-dense,bf16-dense-castbase,default
     .venv/bin/python scripts/train_throughput.py --device cuda --rows-per-step 8 --tokens-per-step 4000
     .venv/bin/python scripts/train_throughput.py --device cuda --rows-per-step 8 --pad-multiple 1   # unpadded
 
 Runs real optimizer steps of `ConvertTrainer` on the batches of steps 0..N (built before timing), times
 each after --warmup steps, and profiles one more with torch.profiler. Tokens are the real ones (clean
-positions + noisy slots, padding excluded): the figure the trainer's lineage counts. Prints one JSON line.
+positions + noisy slots, padding excluded): the figure the trainer's lineage counts. Prints one JSON line
+per variant.
+
+--variants compares trainers in one process, step by step interleaved, each on its own copy of the
+model and the same batches: `default` (what the trainer chooses on this machine), or a name of parts
+`fp32` | `bf16`, `dense` | `segmented` (attention: one mask over both streams, or only what it allows),
+and `castbase` (autocast casts the fp32 frozen base every forward instead of holding it in bf16).
+`fp32-dense` is the trainer before these choices existed (main at 135493c) on a CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import time
 
 import torch
 
-from cloverlm.training.convert import ConvertConfig, ConvertTrainer
+from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer, frozen_linears_to
+from cloverlm.training.loop import resident_gib
 
 ATTENTION_OPS = ("attention", "sdpa", "flash", "cudnn_attn")
 
@@ -47,6 +56,23 @@ def attention_share(trainer: ConvertTrainer, batch) -> dict:
             "top_ops": [(e.key, round(getattr(e, attr) / 1e3, 1)) for e in top]}  # fmt: skip
 
 
+def build_trainer(args, out: str, variant: str) -> ConvertTrainer:
+    parts = set(variant.split("-"))
+    unknown = parts - {"default", "fp32", "bf16", "dense", "segmented", "castbase"}
+    if unknown:
+        raise SystemExit(f"unknown variant parts {sorted(unknown)} in {variant!r}")
+    bf16 = True if "bf16" in parts else False if "fp32" in parts else None
+    cfg = ConvertConfig(out=out, device=args.device, tokens_per_step=args.tokens_per_step, rows_per_step=args.rows_per_step,
+                        pad_multiple=args.pad_multiple, compile=args.compile, objective=args.objective, bf16=bf16,
+                        max_steps=args.warmup + args.steps + 1)  # fmt: skip
+    trainer = ConvertTrainer(cfg)
+    if "dense" in parts or "segmented" in parts:
+        trainer.segmented = "segmented" in parts
+    if "castbase" in parts:  # the frozen base back in fp32 (the values were bf16-rounded: timing only)
+        frozen_linears_to(trainer.model, torch.float32)
+    return trainer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -58,40 +84,64 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--objective", default="diffusion", choices=("diffusion", "ar"))
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--variants", default="default", help="comma-separated trainers to interleave (see above)")
     parser.add_argument("--no-profile", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    variants = args.variants.split(",")
     with tempfile.TemporaryDirectory() as out:
-        cfg = ConvertConfig(out=out, device=args.device, tokens_per_step=args.tokens_per_step, rows_per_step=args.rows_per_step,
-                            pad_multiple=args.pad_multiple, compile=args.compile, objective=args.objective,
-                            max_steps=args.warmup + args.steps + 1)  # fmt: skip
-        trainer = ConvertTrainer(cfg)
-        batches = [trainer.data.step_batch(step, trainer.pad_multiple) for step in range(args.warmup + args.steps + 1)]
-        seconds, tokens, padded = [], [], []
-        for index, batch in enumerate(batches[:-1]):
-            synchronize(trainer.device)
-            started = time.perf_counter()
-            trainer.train_step(index, batch)
-            synchronize(trainer.device)
+        trainers = {v: build_trainer(args, f"{out}/{i}", v) for i, v in enumerate(variants)}
+        first = next(iter(trainers.values()))
+        n = args.warmup + args.steps + 1
+        batches = {}
+        for v, trainer in trainers.items():  # the same examples and masks; segments only where used
+            batches[v] = [trainer.data.step_batch(step, trainer.pad_multiple, trainer.segmented) for step in range(n)]
+        seconds = {v: [] for v in variants}
+        tokens, padded = [], []
+        for index in range(n - 1):
+            for v, trainer in trainers.items():  # interleaved: the machine's drift touches every variant alike
+                synchronize(trainer.device)
+                started = time.perf_counter()
+                trainer.train_step(index, batches[v][index])
+                synchronize(trainer.device)
+                if index >= args.warmup:
+                    seconds[v].append(time.perf_counter() - started)
             if index >= args.warmup:
+                batch, ar = batches[variants[0]][index], args.objective == "ar"
                 counts = batch.token_counts()
-                seconds.append(time.perf_counter() - started)
-                tokens.append(counts["clean"] + (counts["noisy"] if args.objective == "diffusion" else 0))
-                padded.append(batch.clean_ids.numel() + (batch.noisy.input_ids.numel() if args.objective == "diffusion" else 0))
-        rates = [t / s for t, s in zip(tokens, seconds)]
-        report = {
-            "device": trainer.lineage()["device"], "objective": args.objective, "rows_per_step": args.rows_per_step,
-            "tokens_per_step": args.tokens_per_step, "pad_multiple": trainer.pad_multiple, "compile": args.compile,
-            "bf16": trainer.bf16, "steps": args.steps, "median_step_s": round(statistics.median(seconds), 3),
-            "median_tokens_per_s": round(statistics.median(rates)), "mean_tokens_per_step": round(statistics.mean(tokens)),
-            "padding_share": round(1 - sum(tokens) / sum(padded), 3),
-        }  # fmt: skip
-        if not args.no_profile:
-            report |= attention_share(trainer, batches[-1])
-        if trainer.device.type == "cuda":
-            report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    print(json.dumps(report))
+                tokens.append(counts["clean"] + (0 if ar else counts["noisy"]))
+                padded.append(batch.clean_ids.numel() + (0 if ar else batch.noisy.input_ids.numel()))
+        base_rate = None
+        for v, trainer in trainers.items():
+            rates = [t / s for t, s in zip(tokens, seconds[v])]
+            rate = statistics.median(rates)
+            base_rate = base_rate or rate
+            report = {
+                "variant": v, "device": trainer.lineage()["device"], "cpu": cpu_name(), "objective": args.objective,
+                "rows_per_step": args.rows_per_step, "tokens_per_step": args.tokens_per_step,
+                "pad_multiple": trainer.pad_multiple, "compile": args.compile, "bf16": trainer.bf16,
+                "segmented": trainer.segmented, "steps": args.steps,
+                "median_step_s": round(statistics.median(seconds[v]), 3), "median_tokens_per_s": round(rate),
+                "speedup_vs_first": round(rate / base_rate, 2), "mean_tokens_per_step": round(statistics.mean(tokens)),
+                "padding_share": round(1 - sum(tokens) / sum(padded), 3),
+            }  # fmt: skip
+            if not args.no_profile:
+                report |= attention_share(trainer, batches[v][-1])
+            print(json.dumps(report), flush=True)
+        if first.device.type == "cuda":
+            print(json.dumps({"peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}))
+        print(json.dumps({"peak_resident_gib": resident_gib()[1]}))
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 if __name__ == "__main__":

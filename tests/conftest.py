@@ -47,7 +47,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def small_tokenizer(tmp_path_factory) -> Path:
     """A folder with a tokenizer built by the default recipe at a small vocabulary (fast to embed)."""
-    from cloverlm.training.data import build_default_tokenizer
+    from cloverlm.training.scratch.data import build_default_tokenizer
 
     folder = tmp_path_factory.mktemp("tok")
     build_default_tokenizer(vocab_size=2048, task_samples=20).save_pretrained(folder)

@@ -15,7 +15,7 @@ from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.errors import CloverError
 from cloverlm.model.cache import CloverCache
 from cloverlm.tokenizer import same_tokenizer, stop_token_ids
-from cloverlm.training.objective import Segment, build_batch, conversion_loss
+from cloverlm.training.conversion.objective import Segment, build_batch, conversion_loss
 
 MASK = 5
 
@@ -285,7 +285,7 @@ def tokenizer_view(tok) -> dict:
 
 @pytest.mark.parametrize("name", ["smollm2-clover", "smollm2-peer"])
 def test_a_shipped_adapter_loads_the_tokenizer_it_was_trained_with(name, tmp_path):
-    """The folder holds no tokenizer: its loader rebuilds the one the trainer used (cloverlm.training.convert:
+    """The folder holds no tokenizer: its loader rebuilds the one the trainer used (cloverlm.training.conversion.trainer:
     `converted(base)` for Clover, `load_base(base)` for the peer), identical in every respect a model sees."""
     from cloverlm.convert.adapter import adapter_meta
     from cloverlm.convert.base import converted, load_base

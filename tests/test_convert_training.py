@@ -12,10 +12,10 @@ import torch
 from cloverlm.convert.base import convert_weights
 from cloverlm.convert.load import load_folder_tokenizer
 from cloverlm.errors import CloverError
-from cloverlm.training.convert import ConvertConfig, ConvertTrainer, adapter_lineage
-from cloverlm.training.convert_data import ConversionData, read_trajectories
-from cloverlm.training.distill import summarize, trajectory_example
-from cloverlm.training.objective import Segment, autoregressive_loss, build_batch, conversion_loss
+from cloverlm.training.conversion.data import ConversionData, read_trajectories
+from cloverlm.training.conversion.distill import summarize, trajectory_example
+from cloverlm.training.conversion.objective import Segment, autoregressive_loss, build_batch, conversion_loss
+from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer, adapter_lineage
 from test_convert import MASK, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def test_trajectory_prompts_are_a_pure_function_of_seed_and_index():
 
 
 def test_a_bad_device_or_init_adapter_is_a_clear_error(tmp_path):
-    from cloverlm.training.convert import resolve_device
+    from cloverlm.training.conversion.trainer import resolve_device
 
     with pytest.raises(CloverError, match="unknown device 'tpu'"):
         resolve_device("tpu")
@@ -173,7 +173,7 @@ def test_warm_start_records_lineage_and_resumes_with_its_tokens(tmp_path):
 
 def test_trajectories_are_written_as_they_arrive_and_resume(tokenizer, random_model, tmp_path):
     """The engine's batched one-token-a-step answers, each with its scores; a rerun adds only the missing."""
-    from cloverlm.training.distill import make_trajectories, read_done
+    from cloverlm.training.conversion.distill import make_trajectories, read_done
 
     path = tmp_path / "trajectories.jsonl"
     first = make_trajectories(random_model, tokenizer, path, 2, {"arithmetic": 1.0}, batch_size=2)

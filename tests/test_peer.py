@@ -137,7 +137,7 @@ def test_bad_peer_checkpoints_get_one_line_errors(tmp_path):
 @pytest.fixture
 def stdlib_tokenized_once(monkeypatch):
     """Every Trainer tokenizes the stdlib (~20 s); the runs of one test share a tokenizer, so once is enough."""
-    from cloverlm.training import train
+    from cloverlm.training.scratch import train
 
     cache = {}
     original = train.tokenize_stdlib
@@ -172,7 +172,7 @@ def test_peer_trains_checkpoints_and_resumes_exactly(tmp_path, small_tokenizer, 
     from safetensors.torch import load_file
 
     from cloverlm.cli import main
-    from cloverlm.training.train import Trainer
+    from cloverlm.training.scratch.train import Trainer
 
     def train(out, *extra, args=PEER_TRAIN_ARGS):
         main(["train", "--out", str(out), *args, "--tokenizer", str(small_tokenizer), *extra])

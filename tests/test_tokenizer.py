@@ -19,7 +19,7 @@ from cloverlm.tokenizer import (
     same_tokenizer,
     train_tokenizer,
 )
-from cloverlm.training.corpus import read_source, stdlib_files, stdlib_root
+from cloverlm.training.scratch.corpus import read_source, stdlib_files, stdlib_root
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,8 @@ from cloverlm.cli import main
 from cloverlm.convert.load import load_model
 from cloverlm.model.checkpoint import save_model
 from cloverlm.model.config import CHUNK_SIZE
-from cloverlm.model.layout import fixed_partition
-from cloverlm.training.diffusion import diffusion_loss, mask_blocks
-from cloverlm.training.objective import block_partition
+from cloverlm.model.layout import block_partition, fixed_partition
+from cloverlm.training.scratch.diffusion import diffusion_loss, mask_blocks
 from conftest import losses, tiny_model
 
 

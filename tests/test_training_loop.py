@@ -169,7 +169,7 @@ def tiny_base(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["diffusion", "ar"])
 def test_a_resumed_conversion_run_takes_the_steps_of_an_uninterrupted_one(tiny_base, tmp_path, monkeypatch, objective):
-    from cloverlm.training.convert import ConvertConfig, ConvertTrainer
+    from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer
 
     def config(out, **changes):
         torch.manual_seed(0)  # LoRA's random init draws from the global generator (a resume loads it instead)
@@ -212,8 +212,8 @@ def test_a_resumed_conversion_run_takes_the_steps_of_an_uninterrupted_one(tiny_b
 
 @pytest.mark.slow
 def test_a_resumed_scratch_run_takes_the_steps_of_an_uninterrupted_one(tmp_path, monkeypatch):
-    from cloverlm.training import train
-    from cloverlm.training.recipe import TrainConfig
+    from cloverlm.training.scratch import train
+    from cloverlm.training.scratch.recipe import TrainConfig
 
     def tokenize_stdlib(tokenizer, split, every=1):  # the same tokens in every run, without reading the stdlib
         return torch.randint(10, 2000, (4096,), generator=torch.Generator().manual_seed(len(split)))

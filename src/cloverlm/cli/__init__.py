@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from cloverlm.bench.options import BenchOptions
-from cloverlm.cli.make import cmd_convert, cmd_info, cmd_tokenizer, cmd_train
+from cloverlm.cli.make import cmd_campaign, cmd_convert, cmd_info, cmd_tokenizer, cmd_train
 from cloverlm.cli.use import (
     DEFAULT_MODEL,
     DEFAULT_PEER,
@@ -30,8 +30,9 @@ from cloverlm.model import plan
 from cloverlm.serving.schemas import ServerConfig
 from cloverlm.tasks import HELD_OUT, SUITE
 from cloverlm.training import calibrate
-from cloverlm.training.data import DEFAULT_VOCAB_SIZE
-from cloverlm.training.recipe import TrainConfig
+from cloverlm.training.conversion.campaign import CampaignConfig
+from cloverlm.training.scratch.data import DEFAULT_VOCAB_SIZE
+from cloverlm.training.scratch.recipe import TrainConfig
 
 
 def _block_size(value: str):
@@ -91,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", help="start from this model folder's weights and tokenizer (fine-tuning)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--threads", type=int)
-    p.add_argument("--fp32", action="store_true", help="disable bf16 autocast")
+    p.add_argument("--fp32", action="store_true", help="no bf16 autocast (default: bf16 where the hardware multiplies it: CUDA, AVX512-BF16, AMX)")
     g = p.add_argument_group("--recipe convert and distill")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto: cuda when available (bf16 autocast there)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto: cuda when available")
     g.add_argument("--tokens-per-step", type=int, help="clean tokens packed into each row")
     g.add_argument("--rows-per-step", type=int, help="packed rows per step (default 1)")
     g.add_argument("--pad-multiple", type=int, help="pad rows to a multiple of this (default: 256 on CUDA, none on CPU)")
@@ -103,6 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--certainty-weight", type=float, help="certainty forcing on right noisy predictions (distill: 0.5)")
     g.add_argument("--trajectories", type=int, default=256, help="--recipe distill: prompts answered one token a step")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("campaign", help="train the shipped pair further, evaluate, promote what beats it (resumable)")
+    p.add_argument("--minutes", type=float, required=True, help="training minutes (evaluation comes after)")
+    p.add_argument("--out", default=CampaignConfig.out)
+    p.add_argument("--models", default=CampaignConfig.models, help="the shipped folders: warm starts and promotions")
+    p.add_argument("--device", default=CampaignConfig.device, choices=("auto", "cpu", "cuda"))
+    p.add_argument("--prompts", type=int, default=CampaignConfig.prompts, help="held-out prompts per evaluation point")
+    p.add_argument("--rows-per-step", type=int, help="a new campaign's step shape (default: 2 x 1,600 on CPU, 8 x 4,000 on CUDA)")
+    p.add_argument("--tokens-per-step", type=int, help="clean tokens per row of a new campaign")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--no-eval", action="store_true", help="train only (no evaluation, no promotion)")
+    p.add_argument("--no-promote", action="store_true", help="evaluate but leave the shipped folders as they are")
+    p.set_defaults(func=cmd_campaign)
 
     p = sub.add_parser("convert", help="a pretrained autoregressive base as a Clover model folder")
     p.add_argument("--base", default=DEFAULT_BASE, help=f"a packaged base ({', '.join(BASES)}), a Llama folder or a Qwen3.5-MoE folder")

@@ -56,7 +56,7 @@ def cmd_info(args) -> None:
 
 
 def cmd_tokenizer(args) -> None:
-    from cloverlm.training.data import build_default_tokenizer
+    from cloverlm.training.scratch.data import build_default_tokenizer
 
     tokenizer = build_default_tokenizer(vocab_size=args.vocab_size)
     tokenizer.save_pretrained(args.out)
@@ -66,8 +66,8 @@ def cmd_tokenizer(args) -> None:
 def cmd_train(args) -> None:
     if args.recipe in ("convert", "distill"):
         return _train_convert(args)
-    from cloverlm.training.recipe import TrainConfig
-    from cloverlm.training.train import Trainer
+    from cloverlm.training.scratch.recipe import TrainConfig
+    from cloverlm.training.scratch.train import Trainer
 
     cfg = TrainConfig(
         preset=args.preset,
@@ -80,7 +80,7 @@ def cmd_train(args) -> None:
         tokenizer=args.tokenizer,
         init_from=args.init_from,
         overrides=_parse_overrides(args.set),
-        bf16=not args.fp32,
+        bf16=False if args.fp32 else None,
     )
     for name in ("seq_len", "batch_size", "lr", "eval_every", "checkpoint_every", "probe_examples"):
         value = getattr(args, name)
@@ -101,11 +101,11 @@ def cmd_train(args) -> None:
 
 
 def _train_convert(args) -> None:
-    """--recipe convert: a LoRA adapter over a converted pretrained base (training/convert.py); --recipe
-    distill: the model's own right answers first (training/distill.py), then training on them."""
+    """--recipe convert: a LoRA adapter over a converted pretrained base (training/conversion/trainer.py); --recipe
+    distill: the model's own right answers first (training/conversion/distill.py), then training on them."""
     import torch
 
-    from cloverlm.training.convert import ConvertConfig, ConvertTrainer
+    from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -117,6 +117,8 @@ def _train_convert(args) -> None:
             fields[name] = value
     if args.compile:
         fields["compile"] = True
+    if args.fp32:
+        fields["bf16"] = False
     if args.recipe == "distill":
         cfg = _distill_trajectories(args, fields)
     else:
@@ -129,8 +131,8 @@ def _distill_trajectories(args, fields):
     (resumable), then the distillation config."""
     from cloverlm.convert.load import load_folder_tokenizer, load_model
     from cloverlm.model.checkpoint import inference_dtype
-    from cloverlm.training.convert import ConvertConfig
-    from cloverlm.training.distill import TRAJECTORIES, distill_config, make_trajectories
+    from cloverlm.training.conversion.distill import TRAJECTORIES, distill_config, make_trajectories
+    from cloverlm.training.conversion.trainer import ConvertConfig
 
     if not args.init_adapter:
         raise CloverError("--recipe distill needs --init-adapter DIR: the adapter whose own answers it distils")
@@ -144,6 +146,21 @@ def _distill_trajectories(args, fields):
     )  # fmt: skip
     print(json.dumps({"trajectories": summary}))
     return cfg
+
+
+def cmd_campaign(args) -> None:
+    """The training campaign (training/conversion/campaign.py): Clover and its peer on the same batches, evaluated
+    against the shipped pair and promoted where they beat it."""
+    import torch
+
+    from cloverlm.training.conversion.campaign import CampaignConfig, run_campaign
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = CampaignConfig(minutes=args.minutes, out=args.out, models=args.models, device=args.device, prompts=args.prompts,
+                         rows_per_step=args.rows_per_step, tokens_per_step=args.tokens_per_step, evaluate=not args.no_eval,
+                         promote=not args.no_promote)  # fmt: skip
+    print(json.dumps(run_campaign(cfg)))
 
 
 def cmd_convert(args) -> None:

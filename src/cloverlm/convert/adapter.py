@@ -1,6 +1,6 @@
 """The conversion adapter on disk: a peft LoRA adapter on every linear layer of the converted base (plus,
 for Clover, the mask token's embedding row), written by `clover train --recipe convert`
-(cloverlm.training.convert) and merged into its base when a folder is loaded."""
+(cloverlm.training.conversion.trainer) and merged into its base when a folder is loaded."""
 
 from __future__ import annotations
 

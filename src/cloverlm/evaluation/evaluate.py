@@ -77,12 +77,15 @@ def evaluate_tasks(
     sizes: dict[str, dict[str, int]] | None = None,
     prompt_lookup: int = 0,
     free: bool = False,
+    per_prompt: bool = False,
 ) -> dict:
     """Mean of each checker field over `count` held-out prompts per task, plus the tokens generated,
     tokens per forward and (under a grammar) the share of answer tokens it forced.
     `model` is Clover or the peer (the decoding options are Clover's); `sizes` gives a generator's size
     arguments by task (e.g. {"no_fly_zones": {"n_messages": 4}}); block_size="auto" needs `calibration`;
-    prompt_lookup is the peer's free decoding's (see peer_generate); free=True decodes without grammars."""
+    prompt_lookup is the peer's free decoding's (see peer_generate); free=True decodes without grammars.
+    per_prompt=True adds each prompt's checker fields (report[task]["per_prompt"], in prompt order), for
+    paired comparisons of two models on the same prompts."""
     from cloverlm.decoding.grammar import Grammars
 
     is_clover = model.config.model_type == "clover"
@@ -106,9 +109,11 @@ def evaluate_tasks(
             completions = _peer_completions(model, examples, stop_ids, fresh, prompt_lookup)
         started = time.perf_counter()
         totals: dict[str, float] = {}
+        scores: list[dict | None] = [None] * len(examples)
         tokens = forwards = forced = 0
         for index, generated, used in tqdm(completions, total=len(examples), desc=name, leave=False):
-            for key, value in task.check(examples[index].example, tokenizer.decode(generated)).items():
+            scores[index] = task.check(examples[index].example, tokenizer.decode(generated))
+            for key, value in scores[index].items():
                 totals[key] = totals.get(key, 0.0) + value
             tokens += len(generated)
             forwards += used
@@ -121,4 +126,6 @@ def evaluate_tasks(
         if report[name]["constrained"]:
             report[name]["forced_share"] = round(forced / max(tokens, 1), 3)
         report[name]["seconds"] = round(time.perf_counter() - started, 1)
+        if per_prompt:
+            report[name]["per_prompt"] = scores
     return report

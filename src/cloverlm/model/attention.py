@@ -122,6 +122,8 @@ class CloverAttention(nn.Module):
             return None, self._output(self._attend(q, k, v, clean_mask), gate)
         if noisy is None:
             noisy = NoisyBlocks.of_layout(layout)
+        if noisy.segments is not None and self.causal_clean and cache is None:
+            return self._segmented_streams(x_noisy, x_clean, positions, noisy)
         length = x_noisy.shape[1]
         # the noisy layout is shared by the batch ([N]) or each row's own ([R, N]: packed rows)
         block, history, noisy_positions = (t if t.dim() == 2 else t[None] for t in (noisy.block, noisy.history, noisy.positions))
@@ -136,6 +138,38 @@ class CloverAttention(nn.Module):
         mask = torch.cat([top, bottom.expand(top.shape[0], -1, -1)], dim=1)[:, None]  # [R or 1, 1, T, T]
         out = self._output(self._attend(q, k, v, mask), gate)
         return out[:, :length], out[:, length:]
+
+    def _segmented_streams(self, x_noisy, x_clean, positions, noisy: NoisyBlocks):
+        """The dense mask's result at the cost of what it allows (a CPU kernel given a mask computes every
+        tile): the clean stream through the causal kernel, and each segment's noisy slots against its clean
+        prefix and its own slots, one small mask a segment. Keys and values are repeated to the query heads
+        so that the backward splits over every head. Noisy padding slots (no segment) come out as zeros:
+        nothing scored or real reads them."""
+        rows = x_clean.shape[0]
+        q, k, v, gate = self._project(x_clean, positions)
+        k, v = self._repeat_kv(k), self._repeat_kv(v)
+        clean = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        noisy_positions = noisy.positions if noisy.positions.dim() == 2 else noisy.positions[None].expand(rows, -1)
+        qn, kn, vn, gate_n = self._project(x_noisy, noisy_positions)
+        kn, vn = self._repeat_kv(kn), self._repeat_kv(vn)
+        length = x_noisy.shape[1]
+        out_rows = []
+        for row, segments in enumerate(noisy.segments):
+            pieces, done = [], 0
+            for seg in segments:
+                keys = torch.cat([k[row : row + 1, :, : seg.clean_keys], kn[row : row + 1, :, seg.start : seg.end]], 2)
+                values = torch.cat([v[row : row + 1, :, : seg.clean_keys], vn[row : row + 1, :, seg.start : seg.end]], 2)
+                query = qn[row : row + 1, :, seg.start : seg.end]
+                pieces.append(F.scaled_dot_product_attention(query, keys, values, attn_mask=seg.mask))
+                done = seg.end
+            if done < length:
+                pieces.append(qn.new_zeros(1, qn.shape[1], length - done, vn.shape[-1]))
+            out_rows.append(torch.cat(pieces, 2))
+        return self._output(torch.cat(out_rows), gate_n), self._output(clean, gate)
+
+    def _repeat_kv(self, x):
+        groups = self.num_heads // self.num_kv_heads
+        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
     def forward_block(self, x, block: DecodeBlock, cache: LayerCache):
         """One block per row: it sees row b's first history[b] cached tokens and its own valid positions

@@ -100,13 +100,19 @@ def load_weights(model: PreTrainedModel, weights: Path) -> None:
     model.tie_weights()
 
 
-def inference_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """The dtype to decode in: bf16 where the hardware multiplies it natively (CUDA, CPUs with
-    AVX512-BF16 or AMX), else fp32. On an AVX2-only CPU bf16 matmuls are emulated: a 16-token forward of
-    the 135M model took 324 ms in bf16 against 130 ms in fp32 (models/README.md)."""
+def multiplies_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether the hardware multiplies bf16 natively (CUDA, CPUs with AVX512-BF16 or AMX): the one rule
+    behind both the dtype decoding runs in and training's autocast. On an AVX2-only CPU bf16 matmuls are
+    emulated: a 16-token forward of the 135M model took 324 ms in bf16 against 130 ms in fp32, and a
+    training step 4x as long (models/README.md)."""
     if torch.device(device).type == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        return True
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def inference_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype to decode in: bf16 where the hardware multiplies it natively, else fp32."""
+    return torch.bfloat16 if multiplies_bf16(device) else torch.float32
 
 
 def load_plain(path: str | Path, dtype: torch.dtype | None = torch.float32) -> CloverForBlockDiffusion:

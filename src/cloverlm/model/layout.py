@@ -1,4 +1,5 @@
-"""Layout of a training sequence: which block each token is in, and the block partition rule."""
+"""Layout of a training sequence: which block each token is in, and the block partition rules: the fixed one
+(prefill, probes, bench) and the random one (training)."""
 
 from __future__ import annotations
 
@@ -40,16 +41,40 @@ class BlockLayout:
 
 
 @dataclass
+class NoisySegment:
+    """Noisy slots start..end of one packed row, and the one small mask that is all they attend through:
+    [end - start, clean_keys + end - start], over the row's first clean_keys clean positions and then the
+    segment's own slots. A segment is one or more whole examples, so no slot outside it is ever seen."""
+
+    start: int
+    end: int
+    clean_keys: int
+    mask: torch.Tensor
+
+
+@dataclass
 class NoisyBlocks:
     """The noisy stream as a list of block slots (docs/design.md section 7): slot i holds token ids[:, i] at
     position positions[i]; it sees the noisy slots of its own block (block[i]) bidirectionally and the
     clean positions below history[i]. Blocks may repeat (complementary masks) and skip the prompt.
-    positions, block and history are shared by the batch ([N]) or given per row ([B, N], packed rows)."""
+    positions, block and history are shared by the batch ([N]) or given per row ([B, N], packed rows).
+
+    `segments` (per row, packed rows only) lets attention skip what the mask forbids: the clean stream
+    through a causal kernel and each segment's slots against their own keys (model/attention.py); None
+    takes the one dense mask over both streams, the reference and CUDA's static-shape path."""
 
     input_ids: torch.Tensor  # [B, N]
     positions: torch.Tensor  # [N] or [B, N]
     block: torch.Tensor  # [N] or [B, N]
     history: torch.Tensor  # [N] or [B, N]
+    segments: list[list[NoisySegment]] | None = None
+
+    def to(self, device) -> NoisyBlocks:
+        segments = self.segments and [
+            [NoisySegment(s.start, s.end, s.clean_keys, s.mask.to(device)) for s in row] for row in self.segments
+        ]
+        moved = (t.to(device) for t in (self.input_ids, self.positions, self.block, self.history))
+        return NoisyBlocks(*moved, segments=segments)
 
     @classmethod
     def of_layout(cls, layout: BlockLayout, input_ids=None) -> NoisyBlocks:
@@ -73,3 +98,28 @@ def fixed_partition(length: int, block_size: int) -> list[int]:
     if block_size < 1:
         raise CloverError(f"block size must be at least 1, got {block_size}")
     return [block_size] * (length // block_size) + ([length % block_size] if length % block_size else [])
+
+
+def block_partition(
+    length: int, sizes, generator: torch.Generator, overhang: bool = True, chunk: int | None = None
+) -> list[int]:
+    """Blocks of sizes drawn uniformly from `sizes` until they cover `length` tokens: the last may overhang,
+    or with overhang=False only sizes that fit are drawn (`length` a multiple of the smallest size).
+
+    `chunk` (implies overhang=False) keeps every block inside one multiple of `chunk` tokens, so that chunks
+    stay full: the chunked kernels' best case, which the from-scratch objective takes. Size 1 must then be
+    in `sizes`, so that every remainder can be filled.
+    """
+    if chunk is not None:
+        if 1 not in sizes:
+            raise CloverError(f"block sizes {sizes} must include 1")
+        if any(s > chunk or chunk % s for s in sizes):
+            raise CloverError(f"block sizes {sizes} must divide the chunk of {chunk} tokens")
+    partition, covered = [], 0
+    while covered < length:
+        room = length - covered if chunk is None else min(length - covered, chunk - covered % chunk)
+        fitting = list(sizes) if overhang and chunk is None else [s for s in sizes if s <= room]
+        size = fitting[int(torch.randint(len(fitting), (1,), generator=generator))]
+        partition.append(size)
+        covered += size
+    return partition

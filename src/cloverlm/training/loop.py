@@ -1,5 +1,5 @@
-"""The training loop every objective shares: from scratch (train.py) and the LoRA conversion, its
-autoregressive peer and distillation (convert.py).
+"""The training loop every objective shares: from scratch (scratch/train.py) and the LoRA conversion, its
+autoregressive peer and distillation (conversion/trainer.py).
 
 An objective is a subclass of Loop. It builds its model, then calls `start()`, and supplies what differs
 between runs: its parameters (`param_groups`), its data (`batch(step)`, a pure function of seed and step),
@@ -18,8 +18,12 @@ uninterrupted run takes.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import os
+import resource
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -44,6 +48,36 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 LOG_FILE = "train_log.jsonl"
 CALIBRATION_STEPS = 3
 CALIBRATION_SHARE = 0.92  # of --minutes: evaluation and checkpoints take about 8% of the time
+
+
+def resident_gib() -> tuple[float, float]:
+    """(resident memory now, its peak so far) of this process, in GiB (Linux; zeros elsewhere)."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except OSError:
+        return 0.0, 0.0
+    now = pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return round(now, 2), round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
+    except OSError:
+        return None
+
+
+LIBC = _libc()
+
+
+def release_heap() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim), after every step. glibc moves
+    its mmap threshold up to the largest block freed so far (up to 32 MiB), after which activations of a
+    few MiB come from the heap, where one block still in use keeps the freed ones around it resident
+    (tests/test_heap.py): a CPU training run's memory climbed step after step until the OOM killer ended
+    it (models/README.md). Trimming between steps keeps the heap's reuse inside a step and bounds what
+    stays resident to one step's peak. True where it ran (glibc)."""
+    return bool(LIBC is not None and LIBC.malloc_trim(0) >= 0)
 
 
 def lr_at(step: int, cfg, max_steps: int) -> float:
@@ -113,6 +147,14 @@ class Loop:
         """(what is backpropagated, anything after_step needs)."""
         raise NotImplementedError
 
+    def micro_batches(self, batch) -> list:
+        """The parts of a batch that go forward and backward one after another (default: the whole)."""
+        return [batch]
+
+    def merge(self, outs: list):
+        """One `loss` output from the parts' (micro_batches)."""
+        raise NotImplementedError
+
     def after_step(self, batch, total: torch.Tensor, out) -> dict:
         """Bookkeeping after the optimizer step; the step's log fields, "loss" among them."""
         raise NotImplementedError
@@ -180,13 +222,19 @@ class Loop:
         lr = lr_at(step, self.cfg, self.state["max_steps"])
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        with self.autocast():
-            total, out = self.loss(batch, step)
-        total.backward()
+        total, outs = 0.0, []
+        for part in self.micro_batches(batch):  # gradients accumulate; the parts' losses add up to the batch's
+            with self.autocast():
+                loss, out = self.loss(part, step)
+            loss.backward()
+            total, outs = total + loss.detach(), outs + [out]
+        out = outs[0] if len(outs) == 1 else self.merge(outs)
         grad_norm = distributed.clip_grad_norm(self.model, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         fields = self.after_step(batch, total, out)
+        del batch, total, out, outs
+        release_heap()
         return {"step": step + int(self.log_steps_done), "lr": lr, "grad_norm": grad_norm, **fields}
 
     def calibrate(self) -> int:
@@ -235,7 +283,9 @@ class Loop:
         # rank 0's clock decides for all: ranks that disagree on a collective save deadlock
         return bool(distributed.from_main(time.monotonic() - last_save > self.cfg.checkpoint_minutes * 60))
 
-    def run(self) -> dict:
+    def run(self, stop_at: int | None = None) -> dict:
+        """Train to max_steps, or to `stop_at` steps (the schedule still spans max_steps: a run continued in
+        parts), or until --minutes run out; then the final checkpoint and `finish`."""
         cfg = self.cfg
         started = time.time()
         if self.state["max_steps"] is None:
@@ -246,6 +296,7 @@ class Loop:
         # --minutes beside a step count is a wall-clock limit; without one it was the step count
         deadline = started + 60 * cfg.minutes if cfg.minutes is not None and cfg.max_steps is not None else None
         max_steps, start_step = self.state["max_steps"], self.state["step"]
+        end_step = max_steps if stop_at is None else min(stop_at, max_steps)
         self.model.train()
         bar = tqdm(
             total=max_steps, initial=start_step, desc=self.label, dynamic_ncols=True, disable=not distributed.is_main()
@@ -254,15 +305,17 @@ class Loop:
         timer = time.perf_counter()
         try:
             with ThreadPoolExecutor(max_workers=1) as self._host:
-                for step in range(start_step, max_steps):
+                for step in range(start_step, end_step):
                     if deadline is not None and time.time() > deadline:
                         break
                     record = self.train_step(step)
                     done = self.state["step"] = step + 1
                     tokens += record.get("tokens", 0)
                     elapsed = time.perf_counter() - timer
-                    record |= {"tok_s": round(tokens / elapsed, 1), "elapsed_s": round(elapsed, 1)}
-                    last = done == max_steps
+                    rss, peak = resident_gib()
+                    record |= {"tok_s": round(tokens / elapsed, 1), "elapsed_s": round(elapsed, 1), "rss_gib": rss,
+                               "peak_rss_gib": peak}  # fmt: skip
+                    last = done == end_step
                     metrics = None
                     if done % cfg.eval_every == 0 or last:
                         metrics = self.evaluate()  # on every rank: FSDP's forward is collective
@@ -284,6 +337,6 @@ class Loop:
         finally:
             self._host, self._prefetched = None, {}
             bar.close()
-        if not (saved and self.state["step"] == max_steps):  # stopped by --minutes, or nothing left to do
+        if not (saved and self.state["step"] == end_step):  # stopped by --minutes, or nothing left to do
             self.save_checkpoint(final=True)
         return self.finish(metrics)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cloverlm.errors import CloverError
-from cloverlm.model.layout import NoisyBlocks
+from cloverlm.model.layout import NoisyBlocks, NoisySegment, block_partition
 
 CONVERT_BLOCK_SIZES = (4, 8, 16, 32)
 
@@ -47,35 +47,36 @@ class ConversionBatch:
     answer_mask: torch.Tensor  # [R, L-1] clean positions whose next token is an answer token
     answer_targets: torch.Tensor  # [M], row-major over answer_mask
     clean_lengths: torch.Tensor  # [R] real clean positions of each row
+    # (scored noisy slots, answer positions) a loss is averaged over: a row apart (rows_apart) keeps its
+    # whole batch's, so that the rows' losses and gradients add up to the batch's; None: this batch's own
+    loss_counts: tuple[int, int] | None = None
 
     def token_counts(self) -> dict[str, int]:
         """Real (unpadded) tokens the forward computes: clean positions and noisy slots."""
         return {"clean": int(self.clean_lengths.sum()), "noisy": int((self.noisy.block >= 0).sum())}
 
+    def counts(self) -> tuple[int, int]:
+        return self.loss_counts or (int(self.scored.sum()), int(self.answer_mask.sum()))
 
-def block_partition(
-    length: int, sizes, generator: torch.Generator, overhang: bool = True, chunk: int | None = None
-) -> list[int]:
-    """Blocks of sizes drawn uniformly from `sizes` until they cover `length` tokens: the last may overhang,
-    or with overhang=False only sizes that fit are drawn (`length` a multiple of the smallest size).
-
-    `chunk` (implies overhang=False) keeps every block inside one multiple of `chunk` tokens, so that chunks
-    stay full: the chunked kernels' best case, which the from-scratch objective takes. Size 1 must then be
-    in `sizes`, so that every remainder can be filled.
-    """
-    if chunk is not None:
-        if 1 not in sizes:
-            raise CloverError(f"block sizes {sizes} must include 1")
-        if any(s > chunk or chunk % s for s in sizes):
-            raise CloverError(f"block sizes {sizes} must divide the chunk of {chunk} tokens")
-    partition, covered = [], 0
-    while covered < length:
-        room = length - covered if chunk is None else min(length - covered, chunk - covered % chunk)
-        fitting = list(sizes) if overhang and chunk is None else [s for s in sizes if s <= room]
-        size = fitting[int(torch.randint(len(fitting), (1,), generator=generator))]
-        partition.append(size)
-        covered += size
-    return partition
+    def rows_apart(self) -> list[ConversionBatch]:
+        """Each row as a batch of its own, cut to its real lengths (no padding computed), averaging its
+        losses over the whole batch's counts: the sum of the rows' losses is the batch's loss."""
+        counts, parts = self.counts(), []
+        answers = self.answer_mask.sum(1).tolist()
+        for row, (length, slots) in enumerate(zip(self.clean_lengths.tolist(), (self.noisy.block >= 0).sum(1).tolist())):
+            first = sum(answers[:row])
+            noisy = self.noisy
+            per_row = (t[row : row + 1, :slots] if t.dim() == 2 else t[:slots] for t in (noisy.positions, noisy.block, noisy.history))
+            parts.append(ConversionBatch(
+                clean_ids=self.clean_ids[row : row + 1, :length],
+                noisy=NoisyBlocks(noisy.input_ids[row : row + 1, :slots], *per_row,
+                                  segments=None if noisy.segments is None else [noisy.segments[row]]),
+                targets=self.targets[row : row + 1, :slots], scored=self.scored[row : row + 1, :slots],
+                answer_mask=self.answer_mask[row : row + 1, :length],
+                answer_targets=self.answer_targets[first : first + answers[row]],
+                clean_lengths=self.clean_lengths[row : row + 1], loss_counts=counts,
+            ))  # fmt: skip
+        return parts
 
 
 @dataclass
@@ -90,6 +91,7 @@ class _Row:
     slot_history: list[int] = field(default_factory=list)
     slot_target: list[int] = field(default_factory=list)
     slot_scored: list[bool] = field(default_factory=list)
+    example_ends: list[int] = field(default_factory=list)  # one past each example's last noisy slot
 
 
 def _pack_row(segments: list[Segment], end_id: int, mask_id: int, generator, sizes, complementary: bool) -> _Row:
@@ -126,7 +128,40 @@ def _pack_row(segments: list[Segment], end_id: int, mask_id: int, generator, siz
                 row.slot_scored += flags
                 block_number += 1
             s += size
+        row.example_ends.append(len(row.slot_ids))
     return row
+
+
+# What one more attention call costs, in score-matrix entries (measured, scripts/train_throughput.py):
+# neighbouring examples share a segment when their separate calls would cost more than the merged one.
+SEGMENT_CALL_COST = 64 * 1024
+
+
+def noisy_segments(row: _Row) -> list[NoisySegment]:
+    """The row's noisy slots as segments of whole examples, each with the mask it attends through."""
+    spans, start = [], 0
+    for end in row.example_ends:
+        if end > start:
+            spans.append((start, end))
+        start = end
+
+    def cost(a: int, b: int) -> int:
+        return (b - a) * (max(row.slot_history[a:b]) + b - a)
+
+    merged: list[tuple[int, int]] = []
+    for a, b in spans:
+        if merged and cost(merged[-1][0], b) <= cost(*merged[-1]) + cost(a, b) + SEGMENT_CALL_COST:
+            a = merged.pop()[0]
+        merged.append((a, b))
+    segments = []
+    for a, b in merged:
+        history = torch.tensor(row.slot_history[a:b])
+        block = torch.tensor(row.slot_block[a:b])
+        clean_keys = int(history.max())
+        sees_clean = torch.arange(clean_keys)[None, :] < history[:, None]
+        mask = torch.cat([sees_clean, block[:, None] == block[None, :]], dim=1)
+        segments.append(NoisySegment(a, b, clean_keys, mask))
+    return segments
 
 
 def padded_length(length: int, multiple: int) -> int:
@@ -136,11 +171,14 @@ def padded_length(length: int, multiple: int) -> int:
 
 def build_batch(
     rows: list[list[Segment]], end_id: int, mask_id: int, generator: torch.Generator, sizes=CONVERT_BLOCK_SIZES,
-    complementary: bool = True, pad_multiple: int = 1,
+    complementary: bool = True, pad_multiple: int = 1, segmented: bool = False,
 ) -> ConversionBatch:
     """Pack each row's segments into one sequence, draw the noisy answer blocks (deterministic given the
     generator, row after row) and pad every row to a common clean and noisy length, each rounded up to
-    `pad_multiple`. Padding changes no loss: it is neither scored nor seen by a real position."""
+    `pad_multiple`. Padding changes no loss: it is neither scored nor seen by a real position.
+
+    segmented=True adds the noisy stream's segments (NoisyBlocks.segments): the same loss and gradients
+    as the dense mask, at the cost of what it allows (the CPU's path)."""
     if not rows:
         raise CloverError("a conversion batch needs at least one row")
     packed = [_pack_row(segments, end_id, mask_id, generator, sizes, complementary) for segments in rows]
@@ -161,6 +199,7 @@ def build_batch(
             stack([r.slot_pos for r in packed], noisy_length, 0),
             stack([r.slot_block for r in packed], noisy_length, -1),  # padding: a block of its own
             stack([r.slot_history for r in packed], noisy_length, 0),  # that sees no clean position
+            segments=[noisy_segments(r) for r in packed] if segmented else None,
         ),
         targets=stack([r.slot_target for r in packed], noisy_length, end_id),
         scored=stack([r.slot_scored for r in packed], noisy_length, False, torch.bool),
@@ -170,43 +209,54 @@ def build_batch(
     )
 
 
+def _mean(values: torch.Tensor, count: int) -> torch.Tensor:
+    return values.sum() / max(count, 1)
+
+
 def autoregressive_loss(model, batch: ConversionBatch):
     """(loss, stats) of the autoregressive peer (a transformers causal LM): the clean answer's
     next-token loss only, on the same examples."""
     device = next(model.parameters()).device
-    logits = model(input_ids=batch.clean_ids.to(device)).logits[batch.answer_mask.to(device)]
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
+    hidden = causal_lm.model(input_ids=batch.clean_ids.to(device)).last_hidden_state
+    logits = causal_lm.lm_head(hidden[batch.answer_mask.to(device)])  # the scored positions only
     targets = batch.answer_targets.to(device)
-    nll = F.cross_entropy(logits.float(), targets)
-    stats = {"ar_nll": float(nll.detach()), "ar_acc": float((logits.argmax(-1) == targets).float().mean()),
+    answers = batch.counts()[1]
+    nll = _mean(F.cross_entropy(logits.float(), targets, reduction="none"), answers)
+    stats = {"ar_nll": float(nll.detach()), "ar_acc": float(_mean((logits.argmax(-1) == targets).float(), answers)),
              "tokens": batch.token_counts()["clean"]}  # fmt: skip
     return nll, stats
 
 
 def conversion_loss(model, batch: ConversionBatch, certainty_weight: float = 0.0):
-    """(loss, stats): cross-entropy at the scored noisy slots plus the clean stream's answer loss.
+    """(loss, stats): cross-entropy at the scored noisy slots plus the clean stream's answer loss, each
+    averaged over the batch's counts (ConversionBatch.counts: a row apart adds its share).
 
     certainty_weight > 0 adds certainty forcing (dParallel): the mean entropy of the noisy predictions
     that are already right, so that the model grows confident where it is correct and the threshold rule
-    commits more tokens per step, without pushing it towards any other answer."""
+    commits more tokens per step, without pushing it towards any other answer (a whole batch only: its
+    mean is over the right predictions of the batch)."""
+    if certainty_weight > 0 and batch.loss_counts is not None:
+        raise CloverError("certainty forcing averages over the whole batch: do not split it into rows")
     device = next(model.parameters()).device
-    noisy = NoisyBlocks(*(t.to(device) for t in (batch.noisy.input_ids, batch.noisy.positions, batch.noisy.block,
-                                                    batch.noisy.history)))  # fmt: skip
+    noisy = batch.noisy.to(device)
     out = model(
         input_ids=batch.clean_ids.to(device), noisy_blocks=noisy, logits_mask=batch.scored.to(device),
         clean_logits_mask=batch.answer_mask.to(device),
     )
     targets = batch.targets[batch.scored].to(device)
     answer_targets = batch.answer_targets.to(device)
+    scored, answers = batch.counts()
     logits = out.logits.float()
-    noisy_nll = F.cross_entropy(logits, targets)
-    ar_nll = F.cross_entropy(out.clean_logits.float(), answer_targets)
+    noisy_nll = _mean(F.cross_entropy(logits, targets, reduction="none"), scored)
+    ar_nll = _mean(F.cross_entropy(out.clean_logits.float(), answer_targets, reduction="none"), answers)
     right = logits.argmax(-1) == targets
     counts = batch.token_counts()
     stats = {
         "noisy_nll": float(noisy_nll.detach()),
         "ar_nll": float(ar_nll.detach()),
-        "noisy_acc": float(right.float().mean()),
-        "ar_acc": float((out.clean_logits.argmax(-1) == answer_targets).float().mean()),
+        "noisy_acc": float(_mean(right.float(), scored)),
+        "ar_acc": float(_mean((out.clean_logits.argmax(-1) == answer_targets).float(), answers)),
         "tokens": counts["clean"] + counts["noisy"],
     }
     loss = noisy_nll + ar_nll

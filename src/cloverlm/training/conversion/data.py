@@ -10,35 +10,24 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from cloverlm import tasks
 from cloverlm.convert.base import check_tokenizer
 from cloverlm.errors import CloverError
+from cloverlm.evaluation.chat import read_chat
 from cloverlm.evaluation.heldout import HELDOUT_SEED_BASE, encode_example
-from cloverlm.paths import DATA
 from cloverlm.tokenizer import end_of_turn_id, format_chat
-from cloverlm.training.objective import ConversionBatch, Segment, build_batch
+from cloverlm.training.conversion.config import ConvertConfig
+from cloverlm.training.conversion.objective import ConversionBatch, Segment, build_batch
 
-if TYPE_CHECKING:
-    from cloverlm.training.convert import ConvertConfig
-
-CHAT_DATA = DATA / "chat_distill"
 # Sources the mixture may name: the tasks below, "chat" (data/chat_distill) and "distill" (trajectories).
 TASK_SOURCES = ("no_fly_zones", "tool_call", "kv_retrieval", "arithmetic")
 
 
-def read_chat(split: str) -> list[dict]:
-    path = CHAT_DATA / f"{split}.jsonl"
-    if not path.is_file():
-        raise CloverError(f"self-distilled chat data missing: {path} (make it with scripts/distill_chat.py)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def read_trajectories(path: str | Path) -> list[dict]:
-    """The kept (right) answers of a trajectories file written by training/distill.py."""
+    """The kept (right) answers of a trajectories file written by training/conversion/distill.py."""
     path = Path(path)
     if not path.is_file():
         raise CloverError(f"distillation trajectories missing: {path} (make them with clover train --recipe distill)")
@@ -117,8 +106,9 @@ class ConversionData:
             used += size
         return segments
 
-    def step_batch(self, step: int, pad_multiple: int = 1) -> ConversionBatch:
-        """The batch of step `step`: rows_per_step packed rows, padded to a common shape."""
+    def step_batch(self, step: int, pad_multiple: int = 1, segmented: bool = False) -> ConversionBatch:
+        """The batch of step `step`: rows_per_step packed rows, padded to a common shape (segmented: see
+        objective.build_batch)."""
         generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         rows = [self.row_segments(step, row) for row in range(self.cfg.rows_per_step)]
-        return build_batch(rows, self.end_id, self.mask_id, generator, pad_multiple=pad_multiple)
+        return build_batch(rows, self.end_id, self.mask_id, generator, pad_multiple=pad_multiple, segmented=segmented)

@@ -79,7 +79,7 @@ class TrainConfig:
     eval_every: int = 100
     checkpoint_minutes: float = 5.0
     checkpoint_every: int | None = None  # in steps; overrides checkpoint_minutes (tests)
-    bf16: bool = True
+    bf16: bool | None = None  # autocast; None: where the hardware multiplies bf16 (checkpoint.multiplies_bf16)
     tokenizer: str | None = None
     init_from: str | None = None  # a model folder to start from instead of random weights
     overrides: dict = field(default_factory=dict)  # CloverConfig fields

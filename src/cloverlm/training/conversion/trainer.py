@@ -1,9 +1,9 @@
 """Conversion fine-tuning (`clover train --recipe convert`): a LoRA adapter that turns the converted base
-into a block-diffusion model, with the objective of training/objective.py; the same adapter trainer makes
+into a block-diffusion model, with the objective of objective.py; the same adapter trainer makes
 the autoregressive peer (objective "ar") and, on the model's own right answers, distillation
-(`--recipe distill`, training/distill.py). The shared loop (loop.py) runs it.
+(`--recipe distill`, training/conversion/distill.py). The shared loop (loop.py) runs it.
 
-Every step's examples and masks are a pure function of (seed, step) (training/convert_data.py), and a
+Every step's examples and masks are a pure function of (seed, step) (training/conversion/data.py), and a
 checkpoint holds the adapter, the optimizer, the schedule state, the tokens seen and the parent adapter,
 so `--resume` replays exactly the steps an uninterrupted run takes. The adapter (peft LoRA on every
 linear layer, plus the mask token's embedding row) is the shipped delta: `load_adapted` merges it into
@@ -17,62 +17,21 @@ see a few fixed shapes and plan once, where a new length every step made them pl
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from cloverlm.convert.adapter import ADAPTER_META, save_adapter, with_adapter
-from cloverlm.convert.base import DEFAULT_BASE, converted, load_base
+from cloverlm.convert.base import converted, load_base
 from cloverlm.errors import CloverError
 from cloverlm.evaluation.heldout import HELDOUT_SEED_BASE
-from cloverlm.model.checkpoint import atomic_write_dir
-from cloverlm.training.convert_data import ConversionData
+from cloverlm.model.checkpoint import atomic_write_dir, multiplies_bf16
+from cloverlm.training.conversion.config import DEVICES, GPU_PAD_MULTIPLE, OBJECTIVES, ConvertConfig
+from cloverlm.training.conversion.data import ConversionData
+from cloverlm.training.conversion.objective import autoregressive_loss, build_batch, conversion_loss
 from cloverlm.training.loop import Loop
-from cloverlm.training.objective import autoregressive_loss, build_batch, conversion_loss
-
-OBJECTIVES = ("diffusion", "ar")
-DEVICES = ("auto", "cpu", "cuda")
-GPU_PAD_MULTIPLE = 256
-
-
-@dataclass
-class ConvertConfig:
-    base: str = DEFAULT_BASE
-    # "diffusion": Clover (noisy answer blocks + the clean answer loss); "ar": the autoregressive peer,
-    # the same base and examples with the clean answer loss only, decoded by transformers' generate.
-    objective: str = "diffusion"
-    out: str = "runs/convert"
-    seed: int = 0
-    # Sources by weight; no_fly_zones draws 20 messages with `full_size_share`, else 1..19.
-    mixture: dict[str, float] = field(
-        default_factory=lambda: {"no_fly_zones": 0.45, "tool_call": 0.15, "kv_retrieval": 0.1, "arithmetic": 0.05, "chat": 0.25}
-    )
-    full_size_share: float = 0.3
-    tokens_per_step: int = 1600  # clean tokens packed into each row
-    rows_per_step: int = 1
-    lr: float = 5e-4
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    lora_rank: int = 32
-    lora_alpha: int = 64
-    max_steps: int = 400
-    minutes: float | None = None
-    eval_every: int = 50
-    checkpoint_every: int = 10
-    device: str = "auto"  # auto: cuda when available
-    # None: bf16 autocast on CUDA only. On this AVX2 CPU a bf16 forward of the 135M base took 4x as long
-    # as fp32 (28 s against 7 s for 900 tokens, one thread), and bf16 autocast's backward longer still.
-    bf16: bool | None = None
-    # Rows are padded to a multiple of this (None: GPU_PAD_MULTIPLE on CUDA; on CPU padding only costs).
-    pad_multiple: int | None = None
-    compile: bool = False  # torch.compile the model (static shapes: worth it with padding on CUDA)
-    chat_examples: int = 128  # the first N records of data/chat_distill/train.jsonl
-    init_adapter: str | None = None  # start from this adapter folder (fresh optimizer, warm-up again)
-    distill_data: str | None = None  # trajectories (training/distill.py) for the mixture's "distill" source
-    certainty_weight: float = 0.0  # certainty forcing on right noisy predictions (objective.conversion_loss)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,6 +58,17 @@ def adapter_lineage(folder: str | Path) -> dict:
 
 
 
+def frozen_linears_to(peft_model, dtype: torch.dtype) -> None:
+    """The frozen base weights of the adapted linear layers in `dtype`, the one autocast multiplies them
+    in: autocast then casts no weight on every forward (its copies took 0.9 s of a 10.9 s CPU step). The
+    values are those autocast would have made, so the loss is unchanged; the adapter stays fp32."""
+    for module in peft_model.modules():
+        base = getattr(module, "base_layer", None)
+        # LoRA layers only: the tied lm_head is wrapped too (the mask token's row) and shares the embedding
+        if hasattr(module, "lora_A") and isinstance(base, torch.nn.Linear) and not base.weight.requires_grad:
+            base.weight.data = base.weight.data.to(dtype)
+
+
 class ConvertTrainer(Loop):
     label = "convert"
     log_steps_done = True
@@ -116,10 +86,15 @@ class ConvertTrainer(Loop):
             if stored != asdict(cfg) | {"max_steps": stored["max_steps"], "minutes": stored["minutes"]}:
                 raise CloverError("--resume with a different configuration than the checkpoint's (only --max-steps/--minutes may change)")
         on_cuda = self.device.type == "cuda"
-        self.bf16 = on_cuda if cfg.bf16 is None else cfg.bf16
+        self.bf16 = multiplies_bf16(self.device) if cfg.bf16 is None else cfg.bf16
+        # CUDA keeps one dense mask over fixed shapes; the CPU's kernel computes every tile it is given, so
+        # there attention takes only what the mask allows (NoisyBlocks.segments)
+        self.segmented = not on_cuda and cfg.objective == "diffusion"
         self.pad_multiple = (GPU_PAD_MULTIPLE if on_cuda else 1) if cfg.pad_multiple is None else cfg.pad_multiple
         model, self.tokenizer = converted(cfg.base) if cfg.objective == "diffusion" else load_base(cfg.base)
         self.model = with_adapter(model, cfg.objective, cfg.lora_rank, cfg.lora_alpha).to(self.device).train()
+        if self.bf16:
+            frozen_linears_to(self.model, torch.bfloat16)
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         if self.resumed is not None:
             self._load_adapter_weights(self.resumed / "adapter_model.safetensors")
@@ -171,6 +146,7 @@ class ConvertTrainer(Loop):
         parent_tokens = (self.parent or {}).get("total_tokens")
         return {
             "parent": self.parent, "steps": self.step, "tokens": dict(self.tokens), "device": device_label(self.device),
+            "compute": "bf16 autocast" if self.bf16 else "fp32",
             "total_steps": parent_steps + self.step,
             # None when an ancestor did not record its tokens
             "total_tokens": None if self.parent and parent_tokens is None else (parent_tokens or 0) + tokens,
@@ -194,7 +170,8 @@ class ConvertTrainer(Loop):
         totals: dict[str, float] = {}
         for segment in self.heldout:
             with self.autocast():
-                _, stats = self.objective_loss(build_batch([[segment]], self.data.end_id, self.data.mask_id, generator))
+                batch = build_batch([[segment]], self.data.end_id, self.data.mask_id, generator, segmented=self.segmented)
+                _, stats = self.objective_loss(batch)
             for key in ("noisy_nll", "ar_nll", "noisy_acc", "ar_acc"):
                 if key in stats:
                     totals[key] = totals.get(key, 0.0) + stats[key] / len(self.heldout)
@@ -205,10 +182,19 @@ class ConvertTrainer(Loop):
         return [{"params": [p for p in self.model.parameters() if p.requires_grad], "weight_decay": 0.0}]
 
     def batch(self, step: int):
-        return self.data.step_batch(step, self.pad_multiple)
+        return self.data.step_batch(step, self.pad_multiple, self.segmented)
 
     def loss(self, batch, step: int):
         return self.objective_loss(batch)
+
+    def micro_batches(self, batch):
+        """On the CPU, row by row: no padding computed and half the peak memory (the same gradients)."""
+        if self.device.type == "cpu" and batch.clean_ids.shape[0] > 1 and not self.cfg.certainty_weight:
+            return batch.rows_apart()
+        return [batch]
+
+    def merge(self, outs: list[dict]) -> dict:
+        return {key: sum(out[key] for out in outs) for key in outs[0]}  # each row's share of the batch's
 
     def after_step(self, batch, total, stats) -> dict:
         for key, count in batch.token_counts().items():

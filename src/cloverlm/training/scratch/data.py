@@ -15,7 +15,7 @@ import torch
 from cloverlm import tasks
 from cloverlm.evaluation.heldout import HELDOUT_SEED_BASE, encode_example
 from cloverlm.tokenizer import train_tokenizer
-from cloverlm.training.corpus import read_source, stdlib_files
+from cloverlm.training.scratch.corpus import read_source, stdlib_files
 
 DEFAULT_VOCAB_SIZE = 8192  # `clover tokenizer --vocab-size` and the trainer's default tokenizer
 

@@ -1,4 +1,4 @@
-"""The block-diffusion objective: per-block noise levels, masking and the weighted loss (the partition rule is objective.block_partition).
+"""The block-diffusion objective: per-block noise levels, masking and the weighted loss (the partition rule is model.layout.block_partition).
 
 Shifted convention (docs/design.md section 1a): a sequence x_0 .. x_{L-1} is read as inputs x_0 .. x_{L-2}, and
 input position p predicts x_{p+1}. The L-1 input positions are cut into blocks (one random partition

@@ -11,8 +11,8 @@ import torch
 from cloverlm.errors import CloverError
 from cloverlm.evaluation.heldout import heldout_examples
 from cloverlm.model.layout import fixed_partition
-from cloverlm.training.diffusion import diffusion_loss, mask_blocks, shift_noise
-from cloverlm.training.recipe import TrainConfig
+from cloverlm.training.scratch.diffusion import diffusion_loss, mask_blocks, shift_noise
+from cloverlm.training.scratch.recipe import TrainConfig
 
 
 @torch.no_grad()

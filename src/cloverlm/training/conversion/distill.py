@@ -21,7 +21,7 @@ from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.errors import CloverError
 from cloverlm.evaluation.heldout import answer_budget, encode_example
 from cloverlm.tokenizer import stop_token_ids
-from cloverlm.training.convert_data import TASK_SOURCES, sample_task_example
+from cloverlm.training.conversion.data import TASK_SOURCES, sample_task_example
 
 
 def trajectory_example(index: int, mixture: dict[str, float], seed: int, full_size_share: float) -> tasks.Example:
@@ -90,7 +90,7 @@ TRAJECTORIES = "trajectories.jsonl"
 
 def distill_config(out: str, **fields):
     """The ConvertConfig of `--recipe distill` into `out` (fields: init_adapter and any overrides)."""
-    from cloverlm.training.convert import ConvertConfig
+    from cloverlm.training.conversion.config import ConvertConfig
 
     defaults = {"mixture": dict(DISTILL_MIXTURE), "lr": DISTILL_LR, "warmup_steps": DISTILL_WARMUP,
                 "certainty_weight": CERTAINTY_WEIGHT}  # fmt: skip

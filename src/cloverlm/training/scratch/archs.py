@@ -15,12 +15,12 @@ from cloverlm.convert.load import load_model
 from cloverlm.model.checkpoint import read_config, save_model
 from cloverlm.model.clover import CloverForBlockDiffusion
 from cloverlm.model.config import CHUNK_SIZE, CloverConfig
+from cloverlm.model.layout import block_partition
 from cloverlm.training import distributed
-from cloverlm.training.data import Batch
-from cloverlm.training.diffusion import diffusion_loss, mask_blocks
-from cloverlm.training.objective import block_partition
-from cloverlm.training.probes import copy_probe, heldout_elbo
-from cloverlm.training.recipe import Stage, TrainConfig
+from cloverlm.training.scratch.data import Batch
+from cloverlm.training.scratch.diffusion import diffusion_loss, mask_blocks
+from cloverlm.training.scratch.probes import copy_probe, heldout_elbo
+from cloverlm.training.scratch.recipe import Stage, TrainConfig
 
 
 @dataclass

@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 
 from cloverlm.errors import CloverError
+from cloverlm.model.checkpoint import multiplies_bf16
 from cloverlm.model.config import CHUNK_SIZE, preset_config
 from cloverlm.tokenizer import load_tokenizer
 from cloverlm.training import distributed
-from cloverlm.training.archs import ARCHS
-from cloverlm.training.data import Batch, Mixture, build_default_tokenizer, tokenize_stdlib
 from cloverlm.training.loop import Loop
-from cloverlm.training.probes import Evaluator
-from cloverlm.training.recipe import RECIPES, TrainConfig
+from cloverlm.training.scratch.archs import ARCHS
+from cloverlm.training.scratch.data import Batch, Mixture, build_default_tokenizer, tokenize_stdlib
+from cloverlm.training.scratch.probes import Evaluator
+from cloverlm.training.scratch.recipe import RECIPES, TrainConfig
 
 
 class Trainer(Loop):
@@ -38,7 +39,7 @@ class Trainer(Loop):
         if cfg.seq_len % CHUNK_SIZE:
             raise CloverError(f"seq_len={cfg.seq_len} must be a multiple of {CHUNK_SIZE} (the chunk size)")
         self.device = distributed.init()
-        self.bf16 = cfg.bf16
+        self.bf16 = multiplies_bf16(self.device) if cfg.bf16 is None else cfg.bf16
         self.rows = distributed.shard_rows(cfg.batch_size)
         super().__init__(cfg, resume, stage=0, stage_starts=[0], tokens_seen=0)
         if self.resumed is not None:

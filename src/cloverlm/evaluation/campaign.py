@@ -1,0 +1,79 @@
+"""The training campaign's fixed held-out set (training/conversion/campaign.py): the points the issue's targets are
+measured at, each prompt's score kept so that two models compare prompt by prompt.
+
+Points, 20 prompts each by default, no_fly prompts of 20 messages, threshold 0.9, under the answers'
+schemas: Clover at B = 1 and B = 16 on no_fly_zones, at B = 16 on the held-out phrasing family
+(no_fly_zones_unseen) and on tool_call; the peer one token a step on the same three; both on chat (the
+teacher-forced agreement with the base's own answers, evaluation/chat.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+from pathlib import Path
+
+from cloverlm.evaluation.chat import read_chat, teacher_forced_agreement
+from cloverlm.evaluation.evaluate import evaluate_tasks
+
+CAMPAIGN_EVAL = "campaign.json"
+EVAL_VERSION = 1  # bump when the points or their settings change: cached results are then recomputed
+THRESHOLD = 0.9
+SIZES = {"no_fly_zones": {"n_messages": 20}, "no_fly_zones_unseen": {"n_messages": 20}}
+METRIC = {"no_fly_zones": "zone_exact_match", "no_fly_zones_unseen": "zone_exact_match", "tool_call": "exact"}
+# point -> (task, block size); the peer decodes one token a step, so its points are the B = 1 ones
+CLOVER_POINTS = {"no_fly_b1": ("no_fly_zones", 1), "no_fly_b16": ("no_fly_zones", 16),
+                 "unseen_b16": ("no_fly_zones_unseen", 16), "tool_call_b16": ("tool_call", 16)}  # fmt: skip
+PEER_POINTS = {"no_fly_b1": ("no_fly_zones", 1), "unseen_b1": ("no_fly_zones_unseen", 1), "tool_call_b1": ("tool_call", 1)}
+
+
+def _key(folder: Path, prompts: int) -> dict:
+    digest = hashlib.sha256((folder / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
+    return {"version": EVAL_VERSION, "prompts": prompts, "adapter_sha256": digest}
+
+
+def evaluate_folder(folder: str | Path, prompts: int = 20, cache: bool = False) -> dict:
+    """{"points": {point: [score per prompt]}, "summary": {point: mean, ...}, "key": ...} for an adapter
+    folder (Clover or the peer). cache=True reads and writes folder/eval/campaign.json, recomputed only
+    when the adapter or the points changed."""
+    from cloverlm.convert.adapter import adapter_meta
+    from cloverlm.convert.load import load_folder_tokenizer, load_model
+    from cloverlm.convert.peer import is_peer_folder, load_peer
+    from cloverlm.model.checkpoint import inference_dtype
+
+    folder = Path(folder)
+    key, cached = _key(folder, prompts), folder / "eval" / CAMPAIGN_EVAL
+    if cache and cached.is_file():
+        stored = json.loads(cached.read_text())
+        if stored.get("key") == key:
+            return stored
+    peer = is_peer_folder(folder)
+    model = load_peer(folder, inference_dtype()) if peer else load_model(folder, inference_dtype())
+    tokenizer = load_folder_tokenizer(folder)
+    points, summary = {}, {}
+    for point, (task, block_size) in (PEER_POINTS if peer else CLOVER_POINTS).items():
+        report = evaluate_tasks(model, tokenizer, [task], prompts, block_size=block_size, threshold=THRESHOLD,
+                                sizes=SIZES, per_prompt=True)[task]  # fmt: skip
+        points[point] = [score[METRIC[task]] for score in report["per_prompt"]]
+        summary[point] = round(statistics.mean(points[point]), 4)
+        if block_size > 1:
+            summary[f"{point}_tpf"] = report["tokens_per_forward"]
+        summary[f"{point}_seconds"] = report["seconds"]
+    points["chat"] = teacher_forced_agreement(model, tokenizer, read_chat("heldout")[:prompts])
+    summary["chat"] = round(statistics.mean(points["chat"]), 4)
+    meta = adapter_meta(folder)
+    summary |= {"total_tokens": meta.get("total_tokens"), "total_steps": meta.get("total_steps")}
+    result = {"key": key, "folder": str(folder), "points": points, "summary": summary}
+    if cache:
+        cached.parent.mkdir(exist_ok=True)
+        cached.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def paired_difference(a: dict, b: dict, points: list[str]) -> dict:
+    """Mean and standard error of a's score minus b's, prompt by prompt over the given points."""
+    diffs = [x - y for point in points for x, y in zip(a["points"][point], b["points"][point], strict=True)]
+    stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("inf")
+    return {"mean": round(statistics.mean(diffs), 4), "stderr": round(stderr, 4), "pairs": len(diffs)}

@@ -1,0 +1,189 @@
+"""The training campaign (`scripts/train_campaign.sh MINUTES`): every hour a machine has goes into the
+shipped pair, session after session.
+
+One call, resumable at every point:
+1. Clover trains from its last checkpoint (the first time, warm-started from the shipped adapter) for its
+   share of the minutes; the cosine schedule spans `schedule_steps` over all sessions.
+2. The peer trains to the same step on the same batches (same seed and data), so the two stay at equal
+   tokens.
+3. Both candidates and the shipped pair are evaluated on one fixed held-out set (evaluation/campaign.py);
+   the shipped pair's results are kept beside it (models/<name>/eval/campaign.json) and not recomputed.
+4. A candidate replaces the shipped adapter only where it beats it beyond noise (`beats`): Clover then
+   gets its block-size head refitted; the lineage (parent, steps, tokens) accumulates; models/README.md's
+   campaign table is rewritten.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from cloverlm.evaluation.campaign import CAMPAIGN_EVAL, evaluate_folder, paired_difference
+from cloverlm.model.checkpoint import atomic_write_dir
+from cloverlm.paths import MODELS
+from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer
+from cloverlm.training.loop import STATE_FILE
+
+SHIPPED = {"diffusion": "smollm2-clover", "ar": "smollm2-peer"}
+CAMPAIGN_MIXTURE = {"no_fly_zones": 0.55, "tool_call": 0.15, "kv_retrieval": 0.05, "arithmetic": 0.05, "chat": 0.2}
+# Per device: rows and clean tokens of a step (CUDA: several rows, padded; the CPU: two rows of 1,600).
+STEP_SHAPE = {"cpu": (2, 1600), "cuda": (8, 4000)}
+README_START, README_END = "<!-- campaign:start -->", "<!-- campaign:end -->"
+
+
+@dataclass
+class CampaignConfig:
+    minutes: float  # training minutes of this session (evaluation comes after)
+    out: str = "runs/campaign"
+    models: str = str(MODELS)  # the shipped folders: warm starts, baselines and promotions
+    clover_share: float = 0.7  # of the minutes; the peer's step costs about half of Clover's
+    schedule_steps: int = 3000  # the cosine's length over every session of this campaign
+    prompts: int = 20
+    device: str = "auto"
+    seed: int = 3
+    lr: float = 2e-4
+    mixture: dict[str, float] = field(default_factory=lambda: dict(CAMPAIGN_MIXTURE))
+    full_size_share: float = 0.6  # 20-message no_fly prompts: the size the targets are measured at
+    rows_per_step: int | None = None  # None: STEP_SHAPE of the device; a resumed run keeps its own
+    tokens_per_step: int | None = None
+    evaluate: bool = True
+    promote: bool = True
+    calibrate: bool = True  # refit Clover's block-size head when it is promoted
+
+
+def trainer_config(cfg: CampaignConfig, objective: str, device: str) -> ConvertConfig:
+    """The trainer's configuration; a campaign that has begun keeps its step shape on any device (a resumed
+    run must see the batches it would have seen)."""
+    name = SHIPPED[objective]
+    rows, tokens = STEP_SHAPE[device]
+    rows, tokens = cfg.rows_per_step or rows, cfg.tokens_per_step or tokens
+    state = Path(cfg.out) / name / "checkpoint" / STATE_FILE
+    if state.is_file():
+        stored = json.loads(state.read_text())["config"]
+        rows, tokens = stored["rows_per_step"], stored["tokens_per_step"]
+    return ConvertConfig(
+        objective=objective, out=str(Path(cfg.out) / name), seed=cfg.seed, mixture=dict(cfg.mixture),
+        full_size_share=cfg.full_size_share, tokens_per_step=tokens, rows_per_step=rows, lr=cfg.lr, warmup_steps=10,
+        max_steps=cfg.schedule_steps, eval_every=100, checkpoint_every=10, device=cfg.device,
+        init_adapter=str(Path(cfg.models) / name),
+    )  # fmt: skip
+
+
+def _train(convert_cfg: ConvertConfig, minutes: float | None, stop_at: int | None = None) -> dict:
+    convert_cfg.minutes = minutes
+    resume = (Path(convert_cfg.out) / "checkpoint").is_dir()
+    trainer = ConvertTrainer(convert_cfg, resume=resume)
+    try:
+        summary = trainer.run(stop_at=stop_at) if stop_at is None or trainer.step < stop_at else trainer.finish(None)
+    finally:
+        del trainer
+        gc.collect()  # the next trainer's memory: bound_heap hands this one's back to the kernel
+    return summary
+
+
+def beats(candidate: dict, shipped: dict, primary: list[str], guards: list[str]) -> dict:
+    """Whether `candidate` is better than `shipped` beyond noise: on the primary points, paired prompt by
+    prompt, the mean gain is above twice its standard error; and no guard point falls by more than twice
+    its own. Returns the decision and every difference."""
+    gain = paired_difference(candidate, shipped, primary)
+    drops = {point: paired_difference(candidate, shipped, [point]) for point in guards}
+    better = gain["mean"] > 2 * gain["stderr"] and gain["mean"] > 0
+    held = all(d["mean"] >= -2 * d["stderr"] for d in drops.values())
+    return {"promote": better and held, "primary": gain, "guards": drops}
+
+
+def _promote(run_out: Path, folder: Path, report: dict, calibrate: bool) -> None:
+    """The run's adapter, its log lines and its evaluation go into the shipped folder (swapped in whole);
+    the rest of the folder (its older eval reports, the block-size head until it is refitted) stays."""
+
+    def write(target: Path) -> None:
+        shutil.copytree(folder, target, dirs_exist_ok=True)
+        for file in (run_out / "adapter").iterdir():
+            shutil.copy2(file, target / file.name)
+        log = (folder / "train_log.jsonl").read_text() if (folder / "train_log.jsonl").is_file() else ""
+        (target / "train_log.jsonl").write_text(log + _campaign_log(run_out, log))
+        (target / "eval").mkdir(exist_ok=True)
+        (target / "eval" / CAMPAIGN_EVAL).write_text(json.dumps(report, indent=1) + "\n")
+
+    atomic_write_dir(folder, write)
+    if calibrate:
+        from cloverlm.convert.load import load_folder_tokenizer, load_model
+        from cloverlm.model.checkpoint import inference_dtype
+        from cloverlm.training.calibrate import calibrate as fit
+
+        model = load_model(folder, inference_dtype())
+        calibration, fit_report = fit(model, load_folder_tokenizer(folder))
+        calibration.save(folder, extra=fit_report)
+
+
+def _campaign_log(run_out: Path, shipped_log: str) -> str:
+    """The run's log lines not already in the shipped log (a run promoted twice is appended once)."""
+    marker = f'"campaign": "{run_out}"'
+    lines = (run_out / "train_log.jsonl").read_text().splitlines()
+    seen = {line for line in shipped_log.splitlines() if marker in line}
+    tagged = [line[:-1] + f", {marker}}}" for line in lines if line.endswith("}")]
+    return "".join(line + "\n" for line in tagged if line not in seen)
+
+
+def _readme_table(results: dict) -> str:
+    rows = ["| model | tokens in all | no_fly B=1 | no_fly B=16 (TPF) | unseen B=16 | tool_call B=16 | chat agreement | promoted |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, entry in results.items():
+        for label in ("shipped", "candidate"):
+            r = entry[label]
+            rows.append(
+                f"| {name} ({label}) | {r.get('total_tokens') or '?'} | {r.get('no_fly_b1', '-')} | {r.get('no_fly_b16', '-')}"
+                f"{' (' + str(r['no_fly_b16_tpf']) + ')' if 'no_fly_b16_tpf' in r else ''} | {r.get('unseen_b16', '-')} "
+                f"| {r.get('tool_call_b16', '-')} | {r.get('chat', '-')} | {entry['decision']['promote'] if label == 'candidate' else ''} |"
+            )
+    return "\n".join(rows)
+
+
+def _update_readme(models: Path, summary: dict) -> None:
+    readme = models / "README.md"
+    text = readme.read_text() if readme.is_file() else ""
+    body = (f"{README_START}\n## The training campaign, last session ({summary['date']})\n\n"
+            f"`scripts/train_campaign.sh {summary['minutes']:g}` on {summary['device']}; 20 held-out prompts a point, "
+            f"20 messages, threshold 0.9, under the answer schema (evaluation/campaign.py). Promotion: the paired gain "
+            f"on the no_fly points above twice its standard error, tool_call and chat not down by more than twice theirs.\n\n"
+            f"{_readme_table(summary['results'])}\n{README_END}")  # fmt: skip
+    if README_START in text:
+        text = text[: text.index(README_START)] + body + text[text.index(README_END) + len(README_END) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + body + "\n"
+    readme.write_text(text)
+
+
+def run_campaign(cfg: CampaignConfig) -> dict:
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    out, models = Path(cfg.out), Path(cfg.models)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "campaign.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    started = time.time()
+    clover_cfg, peer_cfg = trainer_config(cfg, "diffusion", device), trainer_config(cfg, "ar", device)
+    clover = _train(clover_cfg, cfg.minutes * cfg.clover_share)
+    peer = _train(peer_cfg, None, stop_at=clover["steps"])
+    summary = {"date": time.strftime("%Y-%m-%d"), "minutes": cfg.minutes, "device": clover["device"],
+               "train_seconds": round(time.time() - started), "clover": clover, "peer": peer, "results": {}}  # fmt: skip
+    if cfg.evaluate:
+        for objective, trained in (("diffusion", clover), ("ar", peer)):
+            name = SHIPPED[objective]
+            shipped = evaluate_folder(models / name, cfg.prompts, cache=True)
+            candidate = evaluate_folder(Path(trained["out"]), cfg.prompts)
+            primary = ["no_fly_b1", "no_fly_b16", "unseen_b16"] if objective == "diffusion" else ["no_fly_b1", "unseen_b1"]
+            guards = ["tool_call_b16" if objective == "diffusion" else "tool_call_b1", "chat"]
+            decision = beats(candidate, shipped, primary, guards)
+            summary["results"][name] = {"shipped": shipped["summary"], "candidate": candidate["summary"], "decision": decision}
+            if cfg.promote and decision["promote"]:
+                _promote(out / name, models / name, candidate, cfg.calibrate and objective == "diffusion")
+        _update_readme(models, summary)
+    summary["seconds"] = round(time.time() - started)
+    with open(out / "sessions.jsonl", "a") as handle:
+        handle.write(json.dumps(summary) + "\n")
+    return summary
