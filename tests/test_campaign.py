@@ -3,14 +3,21 @@ promoted only beyond noise and only where no guard falls; the shipped log gains 
 README's campaign section is replaced, not stacked."""
 
 import json
+import shutil
+
+import pytest
 
 from cloverlm.evaluation.campaign import paired_difference
+from cloverlm.paths import MODELS
 from cloverlm.training.conversion.campaign import (
     README_END,
     README_START,
+    CampaignConfig,
     _campaign_log,
+    _promote,
     _update_readme,
     beats,
+    run_campaign,
 )
 
 
@@ -63,3 +70,46 @@ def test_the_readme_section_is_replaced(tmp_path):
     assert text.startswith("# Shipped models\n\nintro\n") and text.count(README_START) == 1 and text.count(README_END) == 1
     assert "train_campaign.sh 90" in text and "train_campaign.sh 60" not in text
     assert "| smollm2-clover (candidate) | 20 | 0.2 |" in text
+
+
+def test_promotion_swaps_in_the_adapter_and_keeps_the_rest(tmp_path):
+    shipped, run = tmp_path / "models" / "smollm2-clover", tmp_path / "run"
+    (shipped / "eval").mkdir(parents=True)
+    (run / "adapter").mkdir(parents=True)
+    for name, text in {"adapter_model.safetensors": "old", "clover_adapter.json": "{}", "calibration.json": "head",
+                       "train_log.jsonl": '{"step": 478}\n', "eval/heldout_b1_free.json": "{}"}.items():  # fmt: skip
+        (shipped / name).write_text(text)
+    (run / "adapter" / "adapter_model.safetensors").write_text("new")
+    (run / "adapter" / "clover_adapter.json").write_text('{"total_tokens": 5}')
+    (run / "train_log.jsonl").write_text('{"step": 1}\n')
+    _promote(run, shipped, {"summary": {"no_fly_b1": 0.5}}, calibrate=False)
+    assert (shipped / "adapter_model.safetensors").read_text() == "new"
+    assert json.loads((shipped / "clover_adapter.json").read_text()) == {"total_tokens": 5}
+    assert (shipped / "calibration.json").read_text() == "head" and (shipped / "eval" / "heldout_b1_free.json").is_file()
+    assert json.loads((shipped / "eval" / "campaign.json").read_text())["summary"]["no_fly_b1"] == 0.5
+    lines = (shipped / "train_log.jsonl").read_text().splitlines()
+    assert json.loads(lines[0]) == {"step": 478} and json.loads(lines[1])["step"] == 1 and len(lines) == 2
+    assert not (tmp_path / "models" / "smollm2-clover.tmp").exists()
+
+
+@pytest.mark.slow
+def test_the_campaign_trains_both_to_the_same_step_and_evaluates_them(tmp_path):
+    """`clover campaign` end to end on the shipped pair (copied): a few small steps, one prompt a point."""
+    models = tmp_path / "models"
+    for name in ("smollm2-clover", "smollm2-peer"):
+        shutil.copytree(MODELS / name, models / name)
+    cfg = CampaignConfig(minutes=0.3, out=str(tmp_path / "runs"), models=str(models), prompts=1, rows_per_step=1,
+                         tokens_per_step=200, device="cpu", promote=False)  # fmt: skip
+    summary = run_campaign(cfg)
+    assert summary["clover"]["steps"] >= 1 and summary["peer"]["steps"] == summary["clover"]["steps"]
+    for name in ("smollm2-clover", "smollm2-peer"):
+        entry = summary["results"][name]
+        assert set(entry) == {"shipped", "candidate", "decision"} and "chat" in entry["candidate"]
+        assert len(entry["candidate"]) > 5 and not (models / name / "eval" / "campaign.json").exists()  # --no-promote
+        meta = json.loads((tmp_path / "runs" / name / "adapter" / "clover_adapter.json").read_text())
+        parent = json.loads((MODELS / name / "clover_adapter.json").read_text())
+        assert meta["total_tokens"] == parent["total_tokens"] + sum(meta["tokens"].values())
+    again = run_campaign(CampaignConfig(minutes=0, out=cfg.out, models=cfg.models, prompts=1, device="cpu",
+                                        evaluate=False))  # fmt: skip
+    assert again["clover"]["steps"] == summary["clover"]["steps"]  # resumed: no step, the same run
+    assert not (models / "README.md").exists()  # a campaign that may not promote leaves models/ as it was

@@ -34,10 +34,10 @@ def _key(folder: Path, prompts: int) -> dict:
     return {"version": EVAL_VERSION, "prompts": prompts, "adapter_sha256": digest}
 
 
-def evaluate_folder(folder: str | Path, prompts: int = 20, cache: bool = False) -> dict:
+def evaluate_folder(folder: str | Path, prompts: int = 20, cache: bool = False, write_cache: bool = True) -> dict:
     """{"points": {point: [score per prompt]}, "summary": {point: mean, ...}, "key": ...} for an adapter
-    folder (Clover or the peer). cache=True reads and writes folder/eval/campaign.json, recomputed only
-    when the adapter or the points changed."""
+    folder (Clover or the peer). cache=True reads folder/eval/campaign.json where it holds this adapter's
+    scores at these points and prompts, and (write_cache) writes what it computed there."""
     from cloverlm.convert.adapter import adapter_meta
     from cloverlm.convert.load import load_folder_tokenizer, load_model
     from cloverlm.convert.peer import is_peer_folder, load_peer
@@ -66,7 +66,7 @@ def evaluate_folder(folder: str | Path, prompts: int = 20, cache: bool = False) 
     meta = adapter_meta(folder)
     summary |= {"total_tokens": meta.get("total_tokens"), "total_steps": meta.get("total_steps")}
     result = {"key": key, "folder": str(folder), "points": points, "summary": summary}
-    if cache:
+    if cache and write_cache:
         cached.parent.mkdir(exist_ok=True)
         cached.write_text(json.dumps(result, indent=1) + "\n")
     return result

