@@ -1,7 +1,7 @@
 """Training throughput of the conversion trainer: tokens per second and the share of time in attention.
 
     .venv/bin/python scripts/train_throughput.py --steps 4 --threads 2                 # this CPU, one row
-    .venv/bin/python scripts/train_throughput.py --threads 2 --variants fp32-dense,bf16-dense-castbase,default
+    .venv/bin/python scripts/train_throughput.py --threads 2 --variants fp32-dense-batched,default
     .venv/bin/python scripts/train_throughput.py --device cuda --rows-per-step 8 --tokens-per-step 4000
     .venv/bin/python scripts/train_throughput.py --device cuda --rows-per-step 8 --pad-multiple 1   # unpadded
 
@@ -13,8 +13,9 @@ per variant.
 --variants compares trainers in one process, step by step interleaved, each on its own copy of the
 model and the same batches: `default` (what the trainer chooses on this machine), or a name of parts
 `fp32` | `bf16`, `dense` | `segmented` (attention: one mask over both streams, or only what it allows),
-and `castbase` (autocast casts the fp32 frozen base every forward instead of holding it in bf16).
-`fp32-dense` is the trainer before these choices existed (main at 135493c) on a CPU.
+`castbase` (autocast casts the fp32 frozen base every forward instead of holding it in bf16) and
+`batched` (a step's rows padded into one forward, not one row at a time). `fp32-dense-batched` is the
+trainer before these choices existed (main at 135493c) on a CPU.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def attention_share(trainer: ConvertTrainer, batch) -> dict:
 
 def build_trainer(args, out: str, variant: str) -> ConvertTrainer:
     parts = set(variant.split("-"))
-    unknown = parts - {"default", "fp32", "bf16", "dense", "segmented", "castbase"}
+    unknown = parts - {"default", "fp32", "bf16", "dense", "segmented", "castbase", "batched"}
     if unknown:
         raise SystemExit(f"unknown variant parts {sorted(unknown)} in {variant!r}")
     bf16 = True if "bf16" in parts else False if "fp32" in parts else None
@@ -68,6 +69,8 @@ def build_trainer(args, out: str, variant: str) -> ConvertTrainer:
     trainer = ConvertTrainer(cfg)
     if "dense" in parts or "segmented" in parts:
         trainer.segmented = "segmented" in parts
+    if "batched" in parts:
+        trainer.row_by_row = False
     if "castbase" in parts:  # the frozen base back in fp32 (the values were bf16-rounded: timing only)
         frozen_linears_to(trainer.model, torch.float32)
     return trainer

@@ -90,6 +90,7 @@ class ConvertTrainer(Loop):
         # CUDA keeps one dense mask over fixed shapes; the CPU's kernel computes every tile it is given, so
         # there attention takes only what the mask allows (NoisyBlocks.segments)
         self.segmented = not on_cuda and cfg.objective == "diffusion"
+        self.row_by_row = not on_cuda  # micro_batches
         self.pad_multiple = (GPU_PAD_MULTIPLE if on_cuda else 1) if cfg.pad_multiple is None else cfg.pad_multiple
         model, self.tokenizer = converted(cfg.base) if cfg.objective == "diffusion" else load_base(cfg.base)
         self.model = with_adapter(model, cfg.objective, cfg.lora_rank, cfg.lora_alpha).to(self.device).train()
@@ -189,7 +190,7 @@ class ConvertTrainer(Loop):
 
     def micro_batches(self, batch):
         """On the CPU, row by row: no padding computed and half the peak memory (the same gradients)."""
-        if self.device.type == "cpu" and batch.clean_ids.shape[0] > 1 and not self.cfg.certainty_weight:
+        if self.row_by_row and batch.clean_ids.shape[0] > 1 and not self.cfg.certainty_weight:
             return batch.rows_apart()
         return [batch]
 
