@@ -12,12 +12,14 @@ from cloverlm.paths import MODELS
 from cloverlm.training.conversion.campaign import (
     README_END,
     README_START,
+    STEP_SHAPE,
     CampaignConfig,
     _campaign_log,
     _promote,
     _update_readme,
     beats,
     run_campaign,
+    trainer_config,
 )
 
 
@@ -113,3 +115,16 @@ def test_the_campaign_trains_both_to_the_same_step_and_evaluates_them(tmp_path):
                                         evaluate=False))  # fmt: skip
     assert again["clover"]["steps"] == summary["clover"]["steps"]  # resumed: no step, the same run
     assert not (models / "README.md").exists()  # a campaign that may not promote leaves models/ as it was
+
+
+def test_a_campaign_that_has_begun_keeps_its_data_and_step_shape(tmp_path):
+    """Defaults may change between sessions; a resumed run still sees the batches it would have seen."""
+    fresh = trainer_config(CampaignConfig(minutes=1, out=str(tmp_path)), "diffusion", "cpu")
+    assert (fresh.rows_per_step, fresh.tokens_per_step) == STEP_SHAPE["cpu"] and fresh.distractor_weights
+    state = tmp_path / "smollm2-clover" / "checkpoint" / "train_state.json"
+    state.parent.mkdir(parents=True)
+    stored = {"rows_per_step": 3, "tokens_per_step": 900, "mixture": {"no_fly_zones": 1.0}, "full_size_share": 0.3}
+    state.write_text(json.dumps({"config": stored}))  # a run begun before distractor_weights existed
+    resumed = trainer_config(CampaignConfig(minutes=1, out=str(tmp_path)), "diffusion", "cuda")
+    assert (resumed.rows_per_step, resumed.tokens_per_step, resumed.mixture) == (3, 900, {"no_fly_zones": 1.0})
+    assert resumed.full_size_share == 0.3 and resumed.distractor_weights == {}

@@ -9,6 +9,7 @@ from string import Formatter
 import pytest
 
 from cloverlm.cli import build_parser
+from cloverlm.errors import CloverError
 from cloverlm.tasks import HELD_OUT, SUITE, TASKS, generate, get_task, parse_zones
 from cloverlm.tasks.no_fly_phrasings import SEEN, UNSEEN, template_fields, template_pattern
 from cloverlm.tasks.no_fly_zones import FIELDS, INSTRUCTION, prompt_messages
@@ -198,3 +199,24 @@ def test_unseen_prompts_vary_and_keep_their_look_alikes(composed):
     assert {len(e.truth) for e in examples} == {1, 2, 3, 4, 5}
     look_alike = re.compile(r"WITHDRAWN|rescinded|proposed|under consultation|exempt|TEST AREA")
     assert sum(bool(look_alike.search(e.prompt)) for e in examples) > 0.9 * len(examples)
+
+
+def test_distractor_weights_change_only_which_distractors_are_drawn():
+    """Training's emphasis on the look-alikes the model lists as zones: the same zones, ids and values
+    (one uniform draw picks a template either way), more of the weighted templates, and equal weights
+    are the plain generator."""
+    task = get_task("no_fly_zones")
+    even = {text: 1.0 for text in ("UAS EXEMPT", "NO DRONE FLT")}
+    heavy = {"UAS EXEMPT": 8.0, "NO DRONE FLT": 8.0}
+    count_plain = count_heavy = 0
+    for seed in range(40):
+        plain = task.compose(seed, 20)
+        assert task.compose(seed, 20, even) == plain
+        weighted = task.compose(seed, 20, heavy)
+        assert [(f, z) for _, f, z in weighted] == [(f, z) for _, f, z in plain]
+        assert task.generate(seed, 20, heavy).answer == task.generate(seed, 20).answer
+        count_plain += sum(any(t in m for t in heavy) for m, _, z in plain if not z)
+        count_heavy += sum(any(t in m for t in heavy) for m, _, z in weighted if not z)
+    assert count_heavy > 3 * count_plain > 0
+    with pytest.raises(CloverError, match=r"\['NOT A TEMPLATE'\] match no distractor template"):
+        task.compose(0, 20, {"NOT A TEMPLATE": 2.0})

@@ -15,9 +15,11 @@ evaluating both tells reading the notices apart from remembering the generator's
 """
 
 import copy
+import math
 import random
 from typing import Any
 
+from cloverlm.errors import CloverError
 from cloverlm.tasks.base import Example, dumps, mean, same, spans_of
 from cloverlm.tasks.no_fly_phrasings import SEEN, Family
 from cloverlm.tokenizer import parse_json
@@ -114,6 +116,27 @@ def _zone(fields: dict[str, str]) -> dict[str, Any]:
     return {k: float(fields[k]) if k in _NUMERIC else fields[k] for k in FIELDS}
 
 
+def _template_weights(pool, by_text: dict[str, float] | None) -> list[float] | None:
+    if not by_text:
+        return None
+    unknown = [text for text in by_text if not any(text in template for template in pool)]
+    if unknown:
+        raise CloverError(f"distractor_weights {unknown} match no distractor template")
+    return [math.prod(w for text, w in by_text.items() if text in template) for template in pool]
+
+
+def _pick(pool, u: float, weights: list[float] | None):
+    """The template a uniform draw u in [0, 1) picks: equal shares, or shares by weight."""
+    if weights is None:
+        return pool[int(u * len(pool))]
+    target, cumulative = u * sum(weights), 0.0
+    for template, weight in zip(pool, weights):
+        cumulative += weight
+        if target < cumulative:
+            return template
+    return pool[-1]
+
+
 class NoFlyZones:
     """The task over one family of phrasings: SEEN for training (the default), UNSEEN held out."""
 
@@ -121,9 +144,15 @@ class NoFlyZones:
         self.name = name
         self.family = family
 
-    def compose(self, seed: int, n_messages: int = 20) -> list[tuple[str, dict[str, str], bool]]:
-        """(template, fields, is_zone) of each message, in prompt order: what `generate` writes."""
+    def compose(self, seed: int, n_messages: int = 20, distractor_weights: dict[str, float] | None = None
+                ) -> list[tuple[str, dict[str, str], bool]]:
+        """(template, fields, is_zone) of each message, in prompt order: what `generate` writes.
+
+        distractor_weights ({text in a template: weight}, others 1) draws those distractors more often, for
+        training on the ones a model lists as zones; without it every template is equally likely. Either
+        way one uniform draw picks a template, so the rest of the prompt is the same."""
         rng = random.Random(seed)
+        weights = {True: None, False: _template_weights(self.family.distractors, distractor_weights)}
         # One spare id is the target of NOTAMC cancellations: it never names a message in the prompt.
         ids = [f"{rng.choice('ABCDJMW')}{n}/26" for n in rng.sample(range(1000, 10000), n_messages + 1)]
         zone_slots = set(rng.sample(range(n_messages), rng.randint(1, min(5, n_messages))))
@@ -131,12 +160,12 @@ class NoFlyZones:
         for i in range(n_messages):
             fields = _fields(rng, ids[i], ids[-1])
             pool = self.family.zones if i in zone_slots else self.family.distractors
-            out.append((pool[int(rng.random() * len(pool))], fields, i in zone_slots))
+            out.append((_pick(pool, rng.random(), weights[i in zone_slots]), fields, i in zone_slots))
         return out
 
-    def generate(self, seed: int, n_messages: int = 20) -> Example:
+    def generate(self, seed: int, n_messages: int = 20, distractor_weights: dict[str, float] | None = None) -> Example:
         messages, zones, copied = [], [], []
-        for template, fields, is_zone in self.compose(seed, n_messages):
+        for template, fields, is_zone in self.compose(seed, n_messages, distractor_weights):
             if is_zone:
                 zones.append(_zone(fields))
                 copied += [fields[k] for k in FIELDS]

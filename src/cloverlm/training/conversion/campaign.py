@@ -53,6 +53,8 @@ class CampaignConfig:
     lr: float = 2e-4
     mixture: dict[str, float] = field(default_factory=lambda: dict(CAMPAIGN_MIXTURE))
     full_size_share: float = 0.6  # 20-message no_fly prompts: the size the targets are measured at
+    # the two look-alikes the shipped model lists as zones most (18 of 19: docs/error_analysis.md)
+    distractor_weights: dict[str, float] = field(default_factory=lambda: {"UAS EXEMPT": 2.0, "NO DRONE FLT": 2.0})
     rows_per_step: int | None = None  # None: STEP_SHAPE of the device; a resumed run keeps its own
     tokens_per_step: int | None = None
     evaluate: bool = True
@@ -61,18 +63,19 @@ class CampaignConfig:
 
 
 def trainer_config(cfg: CampaignConfig, objective: str, device: str) -> ConvertConfig:
-    """The trainer's configuration; a campaign that has begun keeps its step shape on any device (a resumed
-    run must see the batches it would have seen)."""
+    """The trainer's configuration; a campaign that has begun keeps its data and step shape on any device
+    (a resumed run must see the batches it would have seen), whatever the defaults are now."""
     name = SHIPPED[objective]
     rows, tokens = STEP_SHAPE[device]
-    rows, tokens = cfg.rows_per_step or rows, cfg.tokens_per_step or tokens
+    data = {"rows_per_step": cfg.rows_per_step or rows, "tokens_per_step": cfg.tokens_per_step or tokens,
+            "mixture": dict(cfg.mixture), "full_size_share": cfg.full_size_share,
+            "distractor_weights": dict(cfg.distractor_weights)}  # fmt: skip
     state = Path(cfg.out) / name / "checkpoint" / STATE_FILE
     if state.is_file():
-        stored = json.loads(state.read_text())["config"]
-        rows, tokens = stored["rows_per_step"], stored["tokens_per_step"]
+        stored = asdict(ConvertConfig()) | json.loads(state.read_text())["config"]
+        data = {key: stored[key] for key in data}
     return ConvertConfig(
-        objective=objective, out=str(Path(cfg.out) / name), seed=cfg.seed, mixture=dict(cfg.mixture),
-        full_size_share=cfg.full_size_share, tokens_per_step=tokens, rows_per_step=rows, lr=cfg.lr, warmup_steps=10,
+        objective=objective, out=str(Path(cfg.out) / name), seed=cfg.seed, **data, lr=cfg.lr, warmup_steps=10,
         max_steps=cfg.schedule_steps, eval_every=100, checkpoint_every=10, device=cfg.device,
         init_adapter=str(Path(cfg.models) / name),
     )  # fmt: skip

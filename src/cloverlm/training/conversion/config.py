@@ -25,6 +25,8 @@ class ConvertConfig:
         default_factory=lambda: {"no_fly_zones": 0.45, "tool_call": 0.15, "kv_retrieval": 0.1, "arithmetic": 0.05, "chat": 0.25}
     )
     full_size_share: float = 0.3
+    # no_fly distractors drawn more often, {text in a template: weight} (tasks.no_fly_zones.compose)
+    distractor_weights: dict[str, float] = field(default_factory=dict)
     tokens_per_step: int = 1600  # clean tokens packed into each row
     rows_per_step: int = 1
     lr: float = 5e-4

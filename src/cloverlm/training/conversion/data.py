@@ -38,13 +38,15 @@ def read_trajectories(path: str | Path) -> list[dict]:
     return kept
 
 
-def sample_task_example(name: str, rng: random.Random, full_size_share: float) -> tasks.Example:
+def sample_task_example(name: str, rng: random.Random, full_size_share: float,
+                        distractor_weights: dict[str, float] | None = None) -> tasks.Example:
     """A training example of task `name` (never a held-out seed); no_fly_zones has 20 messages with
-    probability `full_size_share`, else 1..19."""
+    probability `full_size_share`, else 1..19, and its distractors drawn by `distractor_weights`."""
     seed = rng.randrange(HELDOUT_SEED_BASE)
     if name == "no_fly_zones":
         full = rng.random() < full_size_share
-        return tasks.generate(name, seed, n_messages=20 if full else rng.randint(1, 19))
+        n_messages = 20 if full else rng.randint(1, 19)
+        return tasks.generate(name, seed, n_messages=n_messages, distractor_weights=distractor_weights or None)
     if name == "kv_retrieval":
         return tasks.generate(name, seed, n_pairs=rng.randint(4, 60))
     return tasks.generate(name, seed)
@@ -88,7 +90,7 @@ class ConversionData:
         if source == "distill":  # the model's own right answer, which stopped at its end of turn
             record = rng.choice(self.distill)
             return Segment(record["prompt_ids"], record["answer_ids"] + [self.end_id])
-        return self.example_segment(sample_task_example(source, rng, self.cfg.full_size_share))
+        return self.example_segment(sample_task_example(source, rng, self.cfg.full_size_share, self.cfg.distractor_weights))
 
     def row_segments(self, step: int, row: int = 0) -> list[Segment]:
         """Examples for one row, packed up to tokens_per_step; an example that does not fit is skipped
