@@ -3,6 +3,7 @@ of an uninterrupted one (the same log and weights), for a toy objective, the con
 from-scratch one; the schedule, evaluation cadence, --minutes and the refusals of a run's folder."""
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from cloverlm.errors import CloverError
 from cloverlm.training.loop import Loop, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = ("tok_s", "elapsed_s")
+TIMING = ("tok_s", "elapsed_s", "rss_gib", "peak_rss_gib")  # what the machine measured, not the run
 
 
 def logged(run: Path) -> list[dict]:
@@ -189,13 +190,14 @@ def test_a_resumed_conversion_run_takes_the_steps_of_an_uninterrupted_one(tiny_b
     with monkeypatch.context() as patch, pytest.raises(RuntimeError, match="simulated crash"):
         crash_at(ConvertTrainer, 2, patch)
         trainer("run").run()
-    with pytest.raises(CloverError, match="only --max-steps/--minutes may change"):
+    with pytest.raises(CloverError, match=r"configuration than the checkpoint's: lr \(only max_steps, minutes, out, init_adapter, device may change\)"):
         ConvertTrainer(config("run", lr=1e-3), resume=True)
-    resumed = trainer("run", resume=True)
+    shutil.move(tmp_path / "run", tmp_path / "moved")  # a run goes on in another folder (another session)
+    resumed = trainer("moved", resume=True)
     assert resumed.step == 2
-    assert resumed.run() == summary | {"out": str(tmp_path / "run" / "adapter")}
-    assert logged(tmp_path / "run") == log
-    meta = json.loads((tmp_path / "run" / "adapter" / "clover_adapter.json").read_text())
+    assert resumed.run() == summary | {"out": str(tmp_path / "moved" / "adapter")}
+    assert logged(tmp_path / "moved") == log
+    meta = json.loads((tmp_path / "moved" / "adapter" / "clover_adapter.json").read_text())
     assert meta["steps"] == meta["total_steps"] == 3 and meta["parent"] is None
     assert meta["total_tokens"] == sum(meta["tokens"].values()) > 0
     assert (meta["tokens"]["noisy"] > 0) == (objective == "diffusion")  # the peer computes no noisy slots

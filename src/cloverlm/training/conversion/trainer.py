@@ -69,6 +69,9 @@ def frozen_linears_to(peft_model, dtype: torch.dtype) -> None:
             base.weight.data = base.weight.data.to(dtype)
 
 
+RESUME_MAY_CHANGE = ("max_steps", "minutes", "out", "init_adapter", "device")
+
+
 class ConvertTrainer(Loop):
     label = "convert"
     log_steps_done = True
@@ -83,8 +86,13 @@ class ConvertTrainer(Loop):
         super().__init__(cfg, resume, tokens={"clean": 0, "noisy": 0}, parent=None)
         if self.saved is not None:
             stored = asdict(ConvertConfig()) | self.saved["config"]  # fields added since take their defaults
-            if stored != asdict(cfg) | {"max_steps": stored["max_steps"], "minutes": stored["minutes"]}:
-                raise CloverError("--resume with a different configuration than the checkpoint's (only --max-steps/--minutes may change)")
+            # what may differ: the length, where the run folder and the warm start's folder now are, and the
+            # machine (a run moves between sessions and devices); the data, model and schedule may not
+            free = {key: stored[key] for key in RESUME_MAY_CHANGE}
+            if stored != asdict(cfg) | free:
+                changed = sorted(k for k, v in asdict(cfg).items() if k not in free and stored.get(k) != v)
+                raise CloverError(f"--resume with a different configuration than the checkpoint's: {', '.join(changed)} "
+                                  f"(only {', '.join(RESUME_MAY_CHANGE)} may change)")  # fmt: skip
         on_cuda = self.device.type == "cuda"
         self.bf16 = multiplies_bf16(self.device) if cfg.bf16 is None else cfg.bf16
         # CUDA keeps one dense mask over fixed shapes; the CPU's kernel computes every tile it is given, so
