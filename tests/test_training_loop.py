@@ -203,9 +203,9 @@ def test_a_resumed_conversion_run_takes_the_steps_of_an_uninterrupted_one(tiny_b
     assert (meta["tokens"]["noisy"] > 0) == (objective == "diffusion")  # the peer computes no noisy slots
     for kind in ("checkpoint", "adapter"):
         want = load_file(str(tmp_path / "ref" / kind / "adapter_model.safetensors"))
-        got = load_file(str(tmp_path / "run" / kind / "adapter_model.safetensors"))
+        got = load_file(str(tmp_path / "moved" / kind / "adapter_model.safetensors"))
         assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want), kind
-    assert_only_safetensors_and_json(tmp_path / "run" / "checkpoint")
+    assert_only_safetensors_and_json(tmp_path / "moved" / "checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------
