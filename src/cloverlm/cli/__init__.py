@@ -30,7 +30,7 @@ from cloverlm.model import plan
 from cloverlm.serving.schemas import ServerConfig
 from cloverlm.tasks import HELD_OUT, SUITE
 from cloverlm.training import calibrate
-from cloverlm.training.conversion.campaign import CampaignConfig
+from cloverlm.training.conversion import campaign
 from cloverlm.training.scratch.data import DEFAULT_VOCAB_SIZE
 from cloverlm.training.scratch.recipe import TrainConfig
 
@@ -106,16 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("campaign", help="train the shipped pair further, evaluate, promote what beats it (resumable)")
-    p.add_argument("--minutes", type=float, required=True, help="training minutes (evaluation comes after)")
-    p.add_argument("--out", default=CampaignConfig.out)
-    p.add_argument("--models", default=CampaignConfig.models, help="the shipped folders: warm starts and promotions")
-    p.add_argument("--device", default=CampaignConfig.device, choices=("auto", "cpu", "cuda"))
-    p.add_argument("--prompts", type=int, default=CampaignConfig.prompts, help="held-out prompts per evaluation point")
-    p.add_argument("--rows-per-step", type=int, help="a new campaign's step shape (default: 2 x 1,600 on CPU, 8 x 4,000 on CUDA)")
-    p.add_argument("--tokens-per-step", type=int, help="clean tokens per row of a new campaign")
-    p.add_argument("--threads", type=int)
-    p.add_argument("--no-eval", action="store_true", help="train only (no evaluation, no promotion)")
-    p.add_argument("--no-promote", action="store_true", help="evaluate but leave the shipped folders as they are")
+    campaign.add_arguments(p)
     p.set_defaults(func=cmd_campaign)
 
     p = sub.add_parser("convert", help="a pretrained autoregressive base as a Clover model folder")

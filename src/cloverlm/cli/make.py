@@ -151,16 +151,9 @@ def _distill_trajectories(args, fields):
 def cmd_campaign(args) -> None:
     """The training campaign (training/conversion/campaign.py): Clover and its peer on the same batches, evaluated
     against the shipped pair and promoted where they beat it."""
-    import torch
+    from cloverlm.training.conversion.campaign import run_from_args
 
-    from cloverlm.training.conversion.campaign import CampaignConfig, run_campaign
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = CampaignConfig(minutes=args.minutes, out=args.out, models=args.models, device=args.device, prompts=args.prompts,
-                         rows_per_step=args.rows_per_step, tokens_per_step=args.tokens_per_step, evaluate=not args.no_eval,
-                         promote=not args.no_promote)  # fmt: skip
-    print(json.dumps(run_campaign(cfg)))
+    print(json.dumps(run_from_args(args)))
 
 
 def cmd_convert(args) -> None:

@@ -195,3 +195,28 @@ def run_campaign(cfg: CampaignConfig) -> dict:
     with open(out / "sessions.jsonl", "a") as handle:
         handle.write(json.dumps(summary) + "\n")
     return summary
+
+
+def add_arguments(parser) -> None:
+    """`clover campaign`'s options, shared by the CLI and scripts/gpu_window/run_campaign.py (the GPU
+    machine cannot import the CLI: it lacks the server's packages)."""
+    parser.add_argument("--minutes", type=float, required=True, help="training minutes (evaluation comes after)")
+    parser.add_argument("--out", default=CampaignConfig.out)
+    parser.add_argument("--models", default=CampaignConfig.models, help="the shipped folders: warm starts and promotions")
+    parser.add_argument("--device", default=CampaignConfig.device, choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--prompts", type=int, default=CampaignConfig.prompts, help="held-out prompts per evaluation point")
+    parser.add_argument("--rows-per-step", type=int, help="a new campaign's step shape (default: 2 x 1,600 on CPU, 8 x 4,000 on CUDA)")
+    parser.add_argument("--tokens-per-step", type=int, help="clean tokens per row of a new campaign")
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--no-eval", action="store_true", help="train only (no evaluation, no promotion)")
+    parser.add_argument("--no-promote", action="store_true", help="evaluate but leave the shipped folders as they are")
+
+
+def run_from_args(args) -> dict:
+    """The campaign of parsed `add_arguments` options."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = CampaignConfig(minutes=args.minutes, out=args.out, models=args.models, device=args.device, prompts=args.prompts,
+                         rows_per_step=args.rows_per_step, tokens_per_step=args.tokens_per_step, evaluate=not args.no_eval,
+                         promote=not args.no_promote)  # fmt: skip
+    return run_campaign(cfg)
