@@ -129,7 +129,7 @@ def decode(model, tokenizer, task_name: str, count: int, block_size: int, batch:
     stops = stop_token_ids(tokenizer)
     grammars = Grammars(tokenizer, model.config.vocab_size, stops)
     examples = heldout_examples(tokenizer, task_name, count, 1 << 30)
-    grammar = [answer_grammar(grammars, tasks.get_task(task_name), e.example) for e in examples]
+    grammar = [answer_grammar(grammars, tasks.get_task(task_name), e.example, "schema") for e in examples]
     started, outputs = time.perf_counter(), [None] * count
     completions = _clover_completions(
         model, examples, stops, lambda i: grammars.constraint(grammar[i]),

@@ -145,12 +145,14 @@ def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
     assert all(report["median_exec_s"][name] > 0 for name in ("clover", "clover_b1", "peer", "peer_lookup"))
 
     schema = report["schema"]
-    assert set(schema) == {"clover_free", "clover_schema", "peer_schema", "schema_cost_per_forward", "tpf_gain", "speedup", "prompts", "messages"}
+    assert set(schema) == {"clover_free", "clover_schema", "clover_grounded", "peer_schema", "peer_grounded", "schema_cost_per_forward",
+                           "tpf_gain", "speedup", "speedup_grounded", "grounded_gain", "prompts", "messages"}
     assert (schema["prompts"], schema["messages"]) == (2, 2)
-    for name in ("clover_free", "clover_schema", "peer_schema"):
+    for name in ("clover_free", "clover_schema", "clover_grounded", "peer_schema", "peer_grounded"):
         assert set(schema[name]) == SCHEMA_FIELDS and schema[name]["ms_per_forward"] > 0
+    assert set(schema["grounded_gain"]) == {"clover", "peer"} and set(schema["grounded_gain"]["peer"]) == {"zone_exact", "tpf"}
     # under the grammar every answer that is not cut at the budget parses and validates
-    for name in ("clover_schema", "peer_schema"):
+    for name in ("clover_schema", "clover_grounded", "peer_schema", "peer_grounded"):
         assert schema[name]["parsed"] == schema[name]["schema_valid"] == 1 - schema[name]["truncated"]
         assert 0 < schema[name]["forced_share"] < 1
         assert 0 < schema[name]["grammar_ms_per_forward"] < schema[name]["ms_per_forward"]
@@ -277,7 +279,7 @@ def test_spread_parse_and_option_errors():
 
 
 def test_sections_run_only_what_is_asked_and_free_decodes_without_grammars(models, tmp_path):
-    report = run_bench(models, dataclasses.replace(OPTIONS, sections=("tasks", "schema"), free=True, repeats=1))
+    report = run_bench(models, dataclasses.replace(OPTIONS, sections=("tasks", "schema"), answers="free", repeats=1))
     assert set(report) == {"tasks", "median_exec_s", "schema", "meta"}
     assert [entry["constrained"] for entry in report["tasks"].values()] == [False, False]
     entry = report["tasks"]["kv_retrieval"]  # free: the peer with prompt lookup runs here too

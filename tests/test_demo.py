@@ -34,7 +34,7 @@ from cloverlm.tasks.base import dumps
 from cloverlm.tasks.no_fly_zones import FIELDS, format_prompt, parse_zones, prompt_messages
 from conftest import TINY, tiny_model
 
-REPORT_FIELDS = {"clover", "peer", "speedup", "schema"}
+REPORT_FIELDS = {"clover", "peer", "speedup", "schema", "answers"}
 CLOVER_FIELDS = {"zones", "wall_s", "tpf", "zone_exact_match"}
 PEER_FIELDS = {"zones", "wall_s", "tpf", "zone_exact_match"}
 ZONE_A = {"id": "A1234/26", "lat": 47.4581, "lon": 8.5551, "radius": 3.0, "unit": "NM", "lower": "SFC",
@@ -107,10 +107,11 @@ def test_under_the_schema_even_a_random_model_opens_the_zone_list(clover, peer, 
     for free in (False, True):
         console = quiet_console()
         report = run_demo(clover, tokenizer, generated_messages(0), tmp_path / str(free), peer_model=peer, block_size=8,
-                          max_new_tokens=24, console=console, free=free)  # fmt: skip
+                          max_new_tokens=24, console=console, answers="free" if free else "grounded")  # fmt: skip
         runs[free] = (report, console.file.getvalue())
     constrained, free = runs[False][0], runs[True][0]
-    assert constrained["schema"] and not free["schema"]
+    assert constrained["schema"] and not free["schema"] and constrained["answers"] == "grounded"
+    assert "grounded: every copied value is one written in the messages" in runs[False][1]
     lines = runs[False][1].splitlines()
     for title in ("Clover (block diffusion)", "peer (autoregressive)"):  # each answer's first line, in its panel
         first = lines[next(i for i, line in enumerate(lines) if title in line) + 1]

@@ -11,8 +11,9 @@ from cloverlm.tokenizer import stop_token_ids
 
 def test_answers_are_decoded_under_the_schema_unless_free(tokenizer, random_model):
     constrained = evaluate_tasks(random_model, tokenizer, ["kv_retrieval"], 2, block_size=4, threshold=0.9, sizes={"kv_retrieval": {"n_pairs": 4}})
-    free = evaluate_tasks(random_model, tokenizer, ["kv_retrieval"], 2, block_size=4, threshold=0.9, sizes={"kv_retrieval": {"n_pairs": 4}}, free=True)
+    free = evaluate_tasks(random_model, tokenizer, ["kv_retrieval"], 2, block_size=4, threshold=0.9, sizes={"kv_retrieval": {"n_pairs": 4}}, answers="free")
     assert constrained["kv_retrieval"]["constrained"] and not free["kv_retrieval"]["constrained"]
+    assert (constrained["kv_retrieval"]["answers"], free["kv_retrieval"]["answers"]) == ("grounded", "free")
     assert 0 < constrained["kv_retrieval"]["forced_share"] < 1 and "forced_share" not in free["kv_retrieval"]
 
 

@@ -122,6 +122,12 @@ class _Digits:
     def forced(self):
         return [self.forced_id] if not self.seen else []
 
+    def limit(self, tokens):
+        pass
+
+    def finished(self):
+        return len(self.seen) >= self.count
+
 
 @pytest.mark.parametrize("strategy", ["threshold", "low_confidence"])
 def test_the_constraint_rule_with_a_toy_grammar(strategy):
@@ -202,6 +208,12 @@ class _Counting:
 
     def forced(self):
         return self.inner.forced()
+
+    def limit(self, tokens):
+        self.inner.limit(tokens)
+
+    def finished(self):
+        return self.inner.finished()
 
 
 def _wrapped_requests(tokenizer, grammars, shortcut, **params):

@@ -126,11 +126,37 @@ def test_json_schema_whole_and_streamed(served):
     stream = served.client.chat.completions.create(model=NAME, messages=USER, max_tokens=80, response_format=response_format,
                                                    stream=True, temperature=1.0, seed=5)
     jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)), SCHEMA)
-    anything = served.client.completions.create(model=NAME, prompt="JSON:", max_tokens=200, temperature=0.7, seed=1,
-                                                extra_body={"response_format": {"type": "json_object"}})
-    # any object: unbounded, so a random model may run out of tokens first; what it wrote is a JSON prefix
-    assert anything.choices[0].finish_reason == "length" or isinstance(json.loads(anything.choices[0].text), dict)
-    assert anything.choices[0].text.startswith("{")
+    # any object: unbounded, yet it closes within the budget (budget-aware closing), even for a random model
+    for max_tokens in (12, 200):
+        anything = served.client.completions.create(model=NAME, prompt="JSON:", max_tokens=max_tokens, temperature=0.7, seed=1,
+                                                    extra_body={"response_format": {"type": "json_object"}})
+        assert anything.choices[0].finish_reason == "stop" and isinstance(json.loads(anything.choices[0].text), dict)
+
+
+def test_grounded_values_come_from_the_prompt(served):
+    """x-grounded fields (decoding/grounding.py) through the openai client: a random model can only copy."""
+    prompt = "Zone K7 at 61.8719N 24.0324E, radius 5.5 KM, from 0930 to 1130; zone Q2 at 47.25N 8.5E, remarks: parachutes."
+    grounded = {"x-grounded": True}
+    schema = {"type": "object", "properties": {
+        "zone": {"type": "string", "pattern": "^[A-Z][0-9]$"} | grounded, "lat": {"type": "number"} | grounded,
+        "lon": {"type": "number"} | grounded, "radius": {"type": "number", "minimum": 1} | grounded,
+        "until": {"type": "integer"} | grounded, "note": {"type": "string"} | grounded},
+        "required": ["zone", "lat", "lon", "radius", "until", "note"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "zone", "schema": schema, "strict": True}}
+    for block_size, temperature in ((1, 0.0), (8, 1.0), (16, 0.0)):
+        result = served.client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=120, response_format=response_format,
+            temperature=temperature, seed=3, extra_body={"block_size": block_size})
+        choice = result.choices[0]
+        answer = json.loads(choice.message.content)
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(answer, schema)
+        for key, value in answer.items():
+            assert (value if isinstance(value, str) else json.dumps(value)) in prompt, (key, value)
+    nothing = served.http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "no numbers, no zone"}],
+                                                  "response_format": response_format})
+    error = _error(nothing, 400)
+    assert error["code"] == "invalid_schema" and "/properties/zone" in error["message"]
 
 
 def test_tool_calls(served):
@@ -202,7 +228,11 @@ def test_limits_and_bad_input_answer_4xx_in_openai_shape(served):
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}}
     assert _error(post("/v1/chat/completions", json=chat(response_format=bad_schema)), 400)["code"] == "invalid_schema"
     unsupported = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
-    _error(post("/v1/chat/completions", json=chat(response_format=unsupported)), 400)
+    assert "uniqueItems" in _error(post("/v1/chat/completions", json=chat(response_format=unsupported)), 400)["message"]
+    overlapping = {"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, {"type": "object"}]}
+    refused = _error(post("/v1/chat/completions", json=chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": overlapping}})), 400)
+    assert "oneOf" in refused["message"] and "anyOf" in refused["message"]
     _error(post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"}), 400)
     _error(post("/v1/chat/completions", json=[1, 2]), 400)
     _error(post("/v1/chat/completions", json=chat(temperature="hot")), 400)

@@ -16,6 +16,7 @@ from cloverlm.bench.llama_cpp import load_llama_cpp
 from cloverlm.convert.load import has_tokenizer, load_folder_tokenizer, load_model
 from cloverlm.convert.peer import PEER_ARCH, is_peer_folder, load_peer
 from cloverlm.decoding.calibration import Calibration, load_calibration
+from cloverlm.decoding.grounding import DEFAULT_ANSWERS, schema_for
 from cloverlm.decoding.params import DecodeParams
 from cloverlm.errors import CloverError
 from cloverlm.evaluation.heldout import TokenizedExample, answer_budget
@@ -47,7 +48,7 @@ class BenchOptions:
     block_size: int = DecodeParams.block_size
     threshold: float = DecodeParams.threshold
     draft: bool = False  # Clover fills blocks with prompt-lookup drafts (all-attention models)
-    free: bool = False  # the tasks section decodes answers without their schemas (default: under them)
+    answers: str = DEFAULT_ANSWERS  # how the tasks section decodes answers (decoding.grounding.ANSWER_MODES)
     sections: tuple[str, ...] = SECTIONS
     peer_lookup: int = 10  # peer (b): transformers' prompt_lookup_num_tokens
     contexts: tuple[int, ...] = (1024, 4096, 16384, 65536)
@@ -72,6 +73,7 @@ class BenchOptions:
         return cls(**{**fast, **overrides})
 
     def validate(self) -> None:
+        schema_for(None, self.answers)  # the mode's own error for a bad one
         unknown = [name for name in self.sections if name not in SECTIONS]
         if unknown or not self.sections:
             raise CloverError(f"unknown bench sections {unknown or '(none given)'}: choose from {', '.join(SECTIONS)}")
@@ -156,5 +158,6 @@ def accuracy(task: str, example: TokenizedExample, tokens: list[int], tokenizer)
 
 
 def ratio(numerator: float | None, denominator: float) -> float | None:
-    """A speedup field: numerator / denominator, or None when the numerator's runner did not run."""
-    return None if numerator is None else round(numerator / denominator, 3)
+    """A speedup field: numerator / denominator, or None when the numerator's runner did not run (or the
+    denominator is 0: a score that found nothing)."""
+    return None if numerator is None or not denominator else round(numerator / denominator, 3)

@@ -94,6 +94,8 @@ def _plot_schema(axes, report: dict) -> None:
     axes.set_ylim(0, 1.3)  # headroom for the legend
     axes.set_ylabel("share of answers / of zones")
     speedup = f", speedup over the peer {section['speedup']:.2f}x" if section["speedup"] else ""
+    if section.get("speedup_grounded"):
+        speedup += f" (grounded {section['speedup_grounded']:.2f}x)"
     axes.set_title(f"no_fly_zones as JSON ({section['prompts']} prompts, {section['messages']} messages){speedup}", fontsize="medium")
     axes.legend(fontsize="small", loc="upper left")
 

@@ -5,8 +5,9 @@ Each section is one function and one key of the JSON report, in its own module o
 
 * `tasks` and `median_exec_s` (bench_tasks, `cloverlm.bench.tasks`): held-out prompts spread over
   the tasks (49 by default, the 49-task view), decoded one request at a time (batch 1: latency),
-  each answer under its schema (the task's answer_schema, or the offered tools' call grammar; the peer
-  with jump-forward, peer_lookup only on prompts without one) unless `free`.
+  each answer under its schema (the task's answer_schema, grounded unless `answers` says "schema", or
+  the offered tools' call grammar; the peer with jump-forward, peer_lookup only on prompts without
+  one), or free where `answers` is "free".
   After a warm-up request per model, Clover and the peer alternate request by request, so drift in
   the machine's speed hits both alike; every request runs `repeats` times and its wall time is the
   median of its runs. Per task: accuracy by the task's checker (the mean of its "exact" field;

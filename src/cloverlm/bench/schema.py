@@ -1,17 +1,20 @@
 """The `schema` section of `clover bench`: structured extraction as a user would run it, the no-fly zones
 of `schema_messages` air-traffic messages returned as JSON, on `schema_prompts` held-out prompts.
 
-Each prompt is decoded one request at a time (batch 1: latency) by three runners, in turn prompt by
+Each prompt is decoded one request at a time (batch 1: latency) by five runners, in turn prompt by
 prompt, so drift in the machine's speed hits them alike:
 * clover_free: Clover at the bench's block size and threshold, no grammar;
-* clover_schema: the same under the answer's JSON schema (the task's `answer_schema`), whose grammar
-  writes every key, quote and bracket into the block without a forward;
-* peer_schema: the autoregressive peer under the same grammar, with jump-forward decoding (forced runs
-  read in one forward: convert/peer.py's peer_generate_constrained).
+* clover_schema: the same under the answer's plain JSON schema (the task's `answer_schema` without its
+  grounding), whose grammar writes every key, quote and bracket into the block without a forward;
+* clover_grounded: the same under the grounded schema (every copied value one written in the prompt:
+  decoding/grounding.py);
+* peer_schema, peer_grounded: the autoregressive peer under the same grammars, with jump-forward
+  decoding (forced runs read in one forward: convert/peer.py's peer_generate_constrained).
 
 Per runner: parsed and schema_valid (shares of answers that parse as JSON / validate against the
 schema), truncated (share cut at the answer budget, the reference's length + ANSWER_SLACK tokens, as
-`clover eval` cuts them: under the schema the only way not to validate), zone_exact (mean
+`clover eval` cuts them, without validating: under the schema the only way not to, where the schema
+could not close in the budget), zone_exact (mean
 zone_exact_match), tokens and forwards summed over the prompts, tpf (tokens per forward), forced_share
 (share of the answer tokens the grammar fixed; null when free), wall_s_median (median wall seconds per
 request), ms_per_forward (summed wall over summed forwards, the prompt's prefill included: fewer
@@ -21,7 +24,9 @@ Then, from the same run:
 * schema_cost_per_forward = 1 + clover_schema grammar_ms_per_forward / clover_free ms_per_forward: a
   constrained forward's cost over a free one's, the grammar's host work being the difference;
 * tpf_gain = clover_schema tpf / clover_free tpf;
-* speedup = peer_schema wall_s_median / clover_schema wall_s_median (null without a peer).
+* speedup = peer_schema wall_s_median / clover_schema wall_s_median (null without a peer), and
+  speedup_grounded the same for the grounded runners;
+* grounded_gain: per model, grounded over plain schema for zone_exact and tpf.
 """
 
 from __future__ import annotations
@@ -38,13 +43,14 @@ from cloverlm.bench.options import BenchModels, BenchOptions, clover_params, pro
 from cloverlm.convert.peer import peer_generate_constrained
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.grammar import Grammars
+from cloverlm.decoding.grounding import without_grounding
 from cloverlm.decoding.params import Request
 from cloverlm.evaluation.evaluate import forced_count
 from cloverlm.evaluation.heldout import answer_budget, heldout_examples
 from cloverlm.tokenizer import parse_json, stop_token_ids
 
 SCHEMA_TASK = "no_fly_zones"
-SCHEMA_RUNNERS = ("clover_free", "clover_schema", "peer_schema")
+SCHEMA_RUNNERS = ("clover_free", "clover_schema", "clover_grounded", "peer_schema", "peer_grounded")
 
 
 def _schema_valid(text: str, schema: dict) -> bool:
@@ -63,52 +69,59 @@ def bench_schema(models: BenchModels, options: BenchOptions) -> dict:
     grammars = Grammars(tokenizer, models.clover.config.vocab_size, stops)
     examples = heldout_examples(tokenizer, SCHEMA_TASK, options.schema_prompts, 1 << 30, n_messages=options.schema_messages)
     schemas = [task.answer_schema(encoded.example) for encoded in examples]
-    grammar = [grammars.json_schema(schema) for schema in schemas]
+    plain = [without_grounding(schema) for schema in schemas]
+    grammar = {"schema": [grammars.json_schema(schema) for schema in plain],
+               "grounded": [grammars.json_schema(schema, e.example.prompt) for schema, e in zip(schemas, examples)]}
     engine = Engine(models.clover, max_batch_size=1)
 
-    def clover(index: int, constrained: bool) -> tuple[list[int], int, float | None]:
+    def clover(index: int, mode: str | None) -> tuple[list[int], int, float | None]:
         encoded = examples[index]
-        constraint = _TimedConstraint(grammars.constraint(grammar[index])) if constrained else None
+        constraint = _TimedConstraint(grammars.constraint(grammar[mode][index])) if mode else None
         params = clover_params(encoded, options, tokenizer, options.block_size)
         [completion] = engine.generate([Request(prompt_ids(encoded), params, constraint=constraint)])
         return completion.tokens, completion.forwards, constraint and constraint.seconds
 
-    def peer(index: int) -> tuple[list[int], int, float]:
+    def peer(index: int, mode: str) -> tuple[list[int], int, float]:
         encoded = examples[index]
-        constraint = _TimedConstraint(grammars.constraint(grammar[index]))
+        constraint = _TimedConstraint(grammars.constraint(grammar[mode][index]))
         out = peer_generate_constrained(models.peer, prompt_ids(encoded), constraint, answer_budget(encoded), stops)
         return out.tokens, out.forwards, constraint.seconds
 
-    runners = {"clover_free": lambda i: clover(i, False), "clover_schema": lambda i: clover(i, True)}
+    runners = {"clover_free": (clover, None), "clover_schema": (clover, "schema"), "clover_grounded": (clover, "grounded")}
     if models.peer is not None:
-        runners["peer_schema"] = peer
-    for run in runners.values():
-        run(0)  # warm-up: one-time allocations and the grammar compiler stay out of the timings
+        runners |= {"peer_schema": (peer, "schema"), "peer_grounded": (peer, "grounded")}
+    for run, mode in runners.values():
+        run(0, mode)  # warm-up: one-time allocations and the grammar compiler stay out of the timings
     rows: dict[str, list[dict]] = {name: [] for name in runners}
     with tqdm(total=len(examples) * len(runners), desc="schema") as bar:
         for index, encoded in enumerate(examples):
-            for name, run in runners.items():
+            for name, (run, mode) in runners.items():
                 started = time.perf_counter()
-                tokens, forwards, grammar_seconds = run(index)
+                tokens, forwards, grammar_seconds = run(index, mode)
                 wall = time.perf_counter() - started
                 text = tokenizer.decode(tokens)
-                constrained = name != "clover_free"
                 rows[name].append({
                     "tokens": len(tokens), "forwards": forwards, "wall": wall, "grammar": grammar_seconds,
                     "parsed": parse_json(text, "[") is not None,
-                    "valid": _schema_valid(text, schemas[index]),
-                    "truncated": len(tokens) >= answer_budget(encoded),
+                    "valid": _schema_valid(text, plain[index]),
+                    "truncated": len(tokens) >= answer_budget(encoded) and not _schema_valid(text, plain[index]),
                     "zone_exact": task.check(encoded.example, text)["zone_exact_match"],
-                    "forced": forced_count(grammars.constraint(grammar[index]), tokens) if constrained else None,
+                    "forced": forced_count(grammars.constraint(grammar[mode][index]), tokens) if mode else None,
                 })  # fmt: skip
                 bar.update()
 
     report: dict = {name: _summary(rows[name]) if name in rows else None for name in SCHEMA_RUNNERS}
-    free, constrained, peer_report = report["clover_free"], report["clover_schema"], report["peer_schema"]
+    free, constrained = report["clover_free"], report["clover_schema"]
     grammar_ms = constrained["grammar_ms_per_forward"]
     report["schema_cost_per_forward"] = round(1 + grammar_ms / free["ms_per_forward"], 3)
     report["tpf_gain"] = ratio(constrained["tpf"], free["tpf"])
-    report["speedup"] = ratio(peer_report and peer_report["wall_s_median"], constrained["wall_s_median"])
+    for suffix, mode in (("", "schema"), ("_grounded", "grounded")):
+        peer_report, clover_report = report[f"peer_{mode}"], report[f"clover_{mode}"]
+        report[f"speedup{suffix}"] = ratio(peer_report and peer_report["wall_s_median"], clover_report["wall_s_median"])
+    report["grounded_gain"] = {
+        model: {key: ratio(report[f"{model}_grounded"][key], report[f"{model}_schema"][key]) for key in ("zone_exact", "tpf")}
+        if report[f"{model}_schema"] else None for model in ("clover", "peer")
+    }
     report["prompts"], report["messages"] = len(examples), options.schema_messages
     return report
 
@@ -155,3 +168,9 @@ class _TimedConstraint:
 
     def forced(self) -> list[int]:
         return self._timed(self.constraint.forced)
+
+    def limit(self, tokens: int) -> None:
+        self.constraint.limit(tokens)
+
+    def finished(self) -> bool:
+        return self._timed(self.constraint.finished)

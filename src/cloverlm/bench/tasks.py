@@ -1,6 +1,6 @@
 """The `tasks` and `median_exec_s` sections of `clover bench`: accuracy and latency per request, at
-batch 1, for every runner in RUNNERS, each answer under its schema unless options.free (the fields are
-documented in bench/run.py)."""
+batch 1, for every runner in RUNNERS, each answer decoded as options.answers says (grounded schema,
+plain schema or free; the fields are documented in bench/run.py)."""
 
 from __future__ import annotations
 
@@ -59,10 +59,10 @@ def bench_tasks(models: BenchModels, options: BenchOptions) -> tuple[dict, dict,
     tokenizer = models.tokenizer
     counts = spread_prompts(options.prompts, len(options.tasks))
     stops = stop_token_ids(tokenizer)
-    grammars = None if options.free else Grammars(tokenizer, models.clover.config.vocab_size, stops)
+    grammars = None if options.answers == "free" else Grammars(tokenizer, models.clover.config.vocab_size, stops)
     # (task, example, the grammar its answer is decoded under or None)
     prompts = [
-        (task, example, None if grammars is None else answer_grammar(grammars, task_registry.get_task(task), example.example))
+        (task, example, None if grammars is None else answer_grammar(grammars, task_registry.get_task(task), example.example, options.answers))
         for task, count in zip(options.tasks, counts)
         for example in heldout_examples(tokenizer, task, count, 1 << 30)
     ]

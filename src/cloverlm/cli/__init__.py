@@ -23,6 +23,7 @@ from cloverlm.cli.use import (
     cmd_serve,
 )
 from cloverlm.convert.base import BASES, DEFAULT_BASE
+from cloverlm.decoding.grounding import ANSWER_MODES, DEFAULT_ANSWERS
 from cloverlm.decoding.params import DecodeParams
 from cloverlm.demo.messages import GENERATED_MESSAGES
 from cloverlm.errors import CloverError
@@ -43,6 +44,18 @@ def _block_size(value: str):
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
+def _add_answers(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """How answers with a schema are decoded (decoding/grounding.py): grounded by default; --plain-schema,
+    --free; `several` (clover eval) also takes --answers with modes side by side."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--free", dest="answers", action="store_const", const=["free"], help="decode without the answers' schemas")
+    group.add_argument("--plain-schema", dest="answers", action="store_const", const=["schema"],
+                       help="decode under the schemas without their grounding (values need not stand in the prompt)")
+    if several:
+        group.add_argument("--answers", nargs="+", choices=ANSWER_MODES, help="modes reported side by side, e.g. free schema grounded")
+    p.set_defaults(answers=[DEFAULT_ANSWERS])
 
 
 def _contexts(tokens) -> str:
@@ -145,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tasks", nargs="+", default=[*SUITE, *HELD_OUT])
             p.add_argument("--n", type=int, default=20)
             p.add_argument("--messages", type=int, help="air-traffic messages per no_fly_zones prompt (default 20)")
-            p.add_argument("--free", action="store_true", help="decode without the answers' schemas (default: under them)")
+            _add_answers(p, several=True)
             p.add_argument("--json")
 
     bench, quick = BenchOptions(), BenchOptions.quick()
@@ -163,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=bench.threshold)
     p.add_argument("--contexts", nargs="+", metavar="N", help=f"context lengths (default: {_contexts(bench.contexts)})")
     p.add_argument("--draft", action="store_true", help="Clover fills blocks with prompt-lookup drafts (all-attention models)")
-    p.add_argument("--free", action="store_true", help="the tasks section decodes without the answers' schemas (default: under them)")
+    _add_answers(p)
     p.add_argument("--sections", nargs="+", metavar="NAME", help=f"run only these sections (default: all: {' '.join(bench.sections)})")
     p.add_argument("--schema-prompts", type=int, help=f"no_fly_zones prompts of the schema section (default: {bench.schema_prompts}; --quick: {quick.schema_prompts})")
     p.add_argument("--llama-cpp", action="store_true",
@@ -180,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="outputs", help="folder for no_fly_zones.png and denoising.png (default: outputs)")
     p.add_argument("--block-size", type=int, default=DecodeParams.block_size)
     p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
-    p.add_argument("--free", action="store_true", help="decode without the answer's JSON schema (default: under it)")
+    _add_answers(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, JSON schemas, tools)")

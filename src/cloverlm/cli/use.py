@@ -137,10 +137,14 @@ def cmd_eval(args) -> None:
     model, tokenizer = _load(args)
     folder = _model_dir(args)
     sizes = {} if args.messages is None else {name: {"n_messages": args.messages} for name in ("no_fly_zones", "no_fly_zones_unseen")}
-    report = evaluate_tasks(
-        model, tokenizer, args.tasks, args.n, block_size=args.block_size, threshold=args.threshold,
-        calibration=load_calibration(folder) if _is_clover(model) else None, sizes=sizes, free=args.free,
-    )
+    reports = {
+        answers: evaluate_tasks(
+            model, tokenizer, args.tasks, args.n, block_size=args.block_size, threshold=args.threshold,
+            calibration=load_calibration(folder) if _is_clover(model) else None, sizes=sizes, answers=answers,
+        )
+        for answers in dict.fromkeys(args.answers)
+    }  # fmt: skip
+    report = next(iter(reports.values())) if len(reports) == 1 else reports
     text = json.dumps(report, indent=1)
     if args.json:
         Path(args.json).write_text(text)
@@ -157,7 +161,7 @@ def cmd_bench(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    overrides = {"block_size": args.block_size, "threshold": args.threshold, "draft": args.draft, "free": args.free}
+    overrides = {"block_size": args.block_size, "threshold": args.threshold, "draft": args.draft, "answers": args.answers[0]}
     for name in ("repeats", "prompts", "schema_prompts"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
@@ -199,7 +203,7 @@ def cmd_demo(args) -> None:
         json_path=Path(args.json) if args.json else None,
         block_size=args.block_size,
         threshold=args.threshold,
-        free=args.free,
+        answers=args.answers[0],
     )
 
 

@@ -238,6 +238,7 @@ def peer_generate_constrained(
     if not stop_ids:
         raise CloverError("constrained decoding needs stop_ids: the tokens a finished grammar ends on")
     stops = sorted(set(stop_ids))
+    constraint.limit(max_new_tokens)
     reader = _CachedReader(model)
     unread = [list(prompt_ids)]  # what the model has not read, one entry per forward of the plain path
     tokens: list[int] = []
@@ -265,7 +266,9 @@ def peer_generate_constrained(
         unread = []
         if logits.numel() != allowed.numel():
             raise CloverError(f"the grammar has {allowed.numel()} tokens, the model {logits.numel()}")
-        token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        token = int(logits.argmax())  # as the engine does: the mask only where the model's choice is refused
+        if not constraint.allows(token):
+            token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
         if token in stops:
             break
         constraint.advance(token)

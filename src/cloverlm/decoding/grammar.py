@@ -3,7 +3,10 @@
 `Grammars` is built once per tokenizer (llguidance's token trie takes ~0.1 s); each request gets its own
 `GrammarConstraint` (the engine's `Constraint` protocol), a matcher advanced over the tokens it commits.
 JSON is compact (no free whitespace): that is how the training answers are written, and a grammar that
-allowed blanks would let a weak model pad forever.
+allowed blanks would let a weak model pad forever. For the same reason every constraint applies the
+rules of `json_guard` beside the grammar (numbers of bounded digits, no key twice, no looping run), and
+one given a budget (`limit`) closes within it: when the tokens left come down to what a short ending
+of the grammar needs, it allows only tokens after which such an ending still fits.
 """
 
 from __future__ import annotations
@@ -18,11 +21,20 @@ import llguidance.torch
 import torch
 from jsonschema import Draft202012Validator, SchemaError
 
+from cloverlm.decoding.grounding import GroundingError, ground, is_grounded
+from cloverlm.decoding.json_guard import JsonState, VocabTable
 from cloverlm.errors import CloverError
 from cloverlm.tokenizer import MASK_TOKEN, PAD_TOKEN, TOOL_CALL_END, TOOL_CALL_START
 
 COMPACT = {"whitespace_flexible": False}
 _BITS = torch.arange(32, dtype=torch.int32)
+# Budget-aware closing: a short ending is looked for every RECHECK tokens, and at every token once the
+# tokens left are within WATCH of its length; from then on a choice must leave room for an ending. An ending is
+# looked for up to MAX_ENDING tokens (deeper ones are not closed early). A short ending prefers these
+# token texts: closers, then a comma (a required key comes forced after it), then the shortest values.
+RECHECK, WATCH, TIGHT, MAX_ENDING, CHECK_AT_MOST = 8, 24, 2, 128, 16
+_ENDING_TEXTS = [b'"}]', b'"]}', b'"}}', b'"]]', b'"}', b'"]', b'}]', b']}', b'}}', b']]', b'}', b']', b'"',
+                 b",", b"0", b"[]", b"{}", b"null", b"true", b"false", b'""']
 
 
 class GrammarError(CloverError):
@@ -56,8 +68,22 @@ class Grammars:
         # base's (SmolLM2 has none): lark writes the first bare, the second as a string.
         added = set(tokenizer.get_added_vocab())
         self.tool_markers = [m if m in added else json.dumps(m) for m in (TOOL_CALL_START, TOOL_CALL_END)]
+        token_bytes = [self.lltokenizer.decode_bytes([t]) for t in range(self.lltokenizer.vocab_size)]
+        self.table = VocabTable(token_bytes, vocab_size)
+        first_id = {}
+        for token, data in enumerate(token_bytes):
+            first_id.setdefault(data, token)
+        # inside a string a closer is text: there only tokens that close the string end it
+        ids = [(text, first_id[text]) for text in _ENDING_TEXTS if text in first_id]
+        self.ending_order = {True: [t for text, t in ids if text.startswith(b'"') and text != b'""'],
+                             False: [t for text, t in ids if not text.startswith(b'"') or text == b'""']}
+        self.end_mask = torch.zeros(vocab_size, dtype=torch.bool)
+        self.end_mask[self.end_ids] = True
+        self.words = torch.zeros(llguidance.torch.get_bitmask_shape(1, self.lltokenizer.vocab_size)[1], dtype=torch.int32)
 
-    def json_schema(self, schema: Any) -> str:
+    def json_schema(self, schema: Any, prompt: str | None = None) -> str:
+        """The grammar of `schema`; a schema with grounded fields (`decoding.grounding`) needs the prompt
+        text its values are taken from."""
         if not isinstance(schema, dict):
             raise GrammarError("a JSON schema must be an object")
         try:
@@ -66,6 +92,13 @@ class Grammars:
             raise GrammarError(f"invalid JSON schema: {error.message}") from None
         except RecursionError:
             raise GrammarError("invalid JSON schema: nested too deeply") from None
+        if is_grounded(schema):
+            if prompt is None:
+                raise GrammarError("a schema with x-grounded fields needs the prompt its values come from")
+            try:
+                schema = ground(schema, prompt)
+            except GroundingError as error:
+                raise GrammarError(str(error)) from None
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
 
     def json_object(self) -> str:
@@ -89,46 +122,136 @@ class Grammars:
         except (ValueError, RuntimeError) as error:  # API-level misuse; grammar errors come as is_error
             raise GrammarError(f"cannot compile the grammar: {error}") from None
         if matcher.is_error():
-            raise GrammarError(f"unsupported or invalid schema: {matcher.get_error()}")
-        return GrammarConstraint(matcher, self)
+            raise GrammarError(_refusal(matcher.get_error()))
+        return GrammarConstraint(matcher, self, JsonState(self.table))
+
+    def mask(self, matcher: llguidance.LLMatcher, state: JsonState) -> torch.Tensor:
+        """Bool [vocab] of the tokens the grammar and the rules of `json_guard` allow next (the grammar's
+        alone where the rules would leave nothing; only end tokens where nothing is left)."""
+        if matcher.is_stopped():  # finished (or failed): only an end token may follow
+            return self.end_mask
+        # llguidance writes the mask as int32 words, bit i of word w standing for token 32w + i
+        matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * self.words.element_size())
+        allowed = ((self.words[:, None] >> _BITS) & 1).bool().flatten()
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        width = min(len(allowed), self.vocab_size)
+        mask[:width] = allowed[:width]
+        mask[self.banned] = False
+        forbidden = state.forbidden()
+        if forbidden is not None and bool((mask & ~forbidden).any()):
+            mask &= ~forbidden
+        return mask if bool(mask.any()) else self.end_mask
+
+    def ending(self, matcher: llguidance.LLMatcher, state: JsonState, limit: int) -> list[int] | None:
+        """A short sequence of tokens after which the grammar accepts (forced runs, then closers, commas
+        and the shortest values, else the longest token allowed); None if none is found within `limit`."""
+        matcher, state, out = matcher.deep_copy(), state.copy(), []
+        while not matcher.is_accepting():
+            if len(out) >= limit or matcher.is_stopped():
+                return None
+            run = matcher.compute_ff_tokens()
+            if not run:
+                mask = self.mask(matcher, state)
+                run = [next((t for t in self.ending_order[state.in_string] if mask[t]), None)]
+                if run[0] is None:
+                    run = [int((self.table.length * mask).argmax())]
+            for token in run:
+                matcher.consume_token(token)
+                state.feed(token)
+            out += run
+        return out if len(out) <= limit else None
+
+
+def _refusal(error: str) -> str:
+    """Why a schema is refused. Keywords no grammar here enforces (an overlapping oneOf, uniqueItems,
+    not, if/then/else, dependentRequired) are refused rather than served: an answer decoded without
+    them could break them, and a strict schema promises that it cannot (docs/design.md, 4b)."""
+    if "oneOf" in error:
+        return ("unsupported schema: a oneOf whose branches can overlap (a grammar cannot enforce that exactly one "
+                "matches; llguidance proves only some branches exclusive, such as branches of different types): write anyOf")
+    if "Unimplemented keys" in error:
+        keys = error[error.index("Unimplemented keys"):].split(":", 1)[1].strip()
+        return f"unsupported schema: the keywords {keys} are not enforced by this server's grammar; drop them to get answers without them"
+    return f"unsupported or invalid schema: {error}"
 
 
 class GrammarConstraint:
     """One request's grammar state (the engine's `Constraint`)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars):
+    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars, state: JsonState):
         self.matcher = matcher
         self.grammars = grammars
-        self.end_mask = torch.zeros(grammars.vocab_size, dtype=torch.bool)
-        self.end_mask[grammars.end_ids] = True
-        self.words = torch.zeros(llguidance.torch.get_bitmask_shape(1, grammars.lltokenizer.vocab_size)[1], dtype=torch.int32)
+        self.state = state
+        self.budget: int | None = None
+        self.used = 0
+        self._ending: list[int] | None = None
+        self._ending_at = -RECHECK  # when `_ending` was looked for (in tokens used)
 
     def copy(self) -> GrammarConstraint:
         """The same grammar in its current state, for another choice of the same request (n > 1)."""
-        return GrammarConstraint(self.matcher.deep_copy(), self.grammars)
+        other = GrammarConstraint(self.matcher.deep_copy(), self.grammars, self.state.copy())
+        other.budget, other.used = self.budget, self.used
+        return other
+
+    def limit(self, tokens: int) -> None:
+        self.budget = tokens
+
+    def finished(self) -> bool:
+        return self.matcher.is_accepting()
 
     def allowed(self) -> torch.Tensor:
-        if self.matcher.is_stopped():  # finished (or failed): only an end token may follow
-            return self.end_mask
-        # llguidance writes the mask as int32 words, bit i of word w standing for token 32w + i
-        self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * self.words.element_size())
-        allowed = ((self.words[:, None] >> _BITS) & 1).bool().flatten()
-        mask = torch.zeros(self.grammars.vocab_size, dtype=torch.bool)
-        width = min(len(allowed), self.grammars.vocab_size)
-        mask[:width] = allowed[:width]
-        mask[self.grammars.banned] = False
-        return mask if bool(mask.any()) else self.end_mask
+        """The grammar's mask; once the budget has room only for a short ending and TIGHT tokens more, only
+        tokens after which such an ending fits (the ending's next token, and those of a small mask that
+        fit). `allows` accepts any token that fits from WATCH tokens before that: the engine's greedy
+        choice keeps its own way to close where it has room."""
+        mask = self.grammars.mask(self.matcher, self.state)
+        ending = self._near_ending()
+        if ending is None or self.budget - self.used > len(ending) + TIGHT:
+            return mask
+        near = torch.zeros_like(mask)
+        near[ending[0]] = True
+        candidates = mask.nonzero()[:, 0].tolist()
+        if len(candidates) <= CHECK_AT_MOST:
+            for token in candidates:
+                near[token] = near[token] or self._fits_after(token)
+        return near
 
     def allows(self, token: int) -> bool:
         """Whether `token` may come next, without computing the whole mask (a walk of its bytes)."""
         if self.matcher.is_stopped():
-            return bool(self.end_mask[token])
+            return bool(self.grammars.end_mask[token])
         if token in self.grammars.banned or token >= self.grammars.lltokenizer.vocab_size:
             return False
-        return self.matcher.validate_tokens([token]) == 1
+        if self.matcher.validate_tokens([token]) != 1 or self.state.forbids(token):
+            return False
+        ending = self._near_ending()
+        return ending is None or token == ending[0] or self._fits_after(token)
 
     def advance(self, token: int) -> None:
         self.matcher.consume_token(token)
+        self.state.feed(token)
+        self.used += 1
 
     def forced(self) -> list[int]:
         return [] if self.matcher.is_stopped() else self.matcher.compute_ff_tokens()
+
+    def _near_ending(self) -> list[int] | None:
+        """The short ending to keep room for, once the budget is within WATCH tokens of it; else None."""
+        if self.budget is None:
+            return None
+        left = self.budget - self.used
+        near = self._ending is not None and left <= len(self._ending) + WATCH
+        if (near or self.used - self._ending_at >= RECHECK) and self._ending_at != self.used:
+            self._ending = self.grammars.ending(self.matcher, self.state, min(left, MAX_ENDING))
+            self._ending_at = self.used
+        if self._ending is None or left > len(self._ending) + WATCH or not self._ending:
+            return None
+        return self._ending
+
+    def _fits_after(self, token: int) -> bool:
+        """Whether a short ending still fits in the budget after `token`."""
+        matcher, state = self.matcher.deep_copy(), self.state.copy()
+        if matcher.consume_token(token) is False:
+            return False
+        state.feed(token)
+        return self.grammars.ending(matcher, state, self.budget - self.used - 1) is not None

@@ -78,7 +78,17 @@ class Constraint(Protocol):
         ...
 
     def allows(self, token: int) -> bool:
-        """Whether `token` may come next: `allowed()[token]`, cheaper where the grammar can tell."""
+        """Whether `token` may come next: `allowed()[token]`, cheaper where the grammar can tell. Near the
+        end of its budget (`limit`) a grammar may allow fewer tokens in `allowed` than `allows` accepts:
+        the next of a short ending, where `allows` judges the token asked about."""
+        ...
+
+    def limit(self, tokens: int) -> None:
+        """The answer has at most `tokens` tokens: a grammar that can close within them does."""
+        ...
+
+    def finished(self) -> bool:
+        """Whether the tokens so far are a complete answer (an end token may follow)."""
         ...
 
     def advance(self, token: int) -> None:

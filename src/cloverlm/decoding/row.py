@@ -25,6 +25,8 @@ class DecodeRow:
         self.mask_id = mask_id
         self.stops = set(self.params.stop_token_ids) | {eos_id}
         self.generated: list[int] = []
+        if request.constraint is not None:
+            request.constraint.limit(self.params.max_new_tokens)
         self.last_token = request.prompt_ids[-1]  # slot 0 of the next block: the last token not in the cache
         self.pending_commit: list[int] | None = None  # the finished block's inputs, committed with the next step
         # A finished block whose last step ran exactly as its commit would: its keys, already written,
@@ -181,7 +183,9 @@ class DecodeRow:
         if self.finish_reason is None and self.request.slots is not None:
             self.finish_reason = "stop"  # the layout is the whole answer
         if self.finish_reason is None and len(self.generated) >= self.params.max_new_tokens:
-            self.finish_reason = "length"
+            # a grammar that closed on the budget's last token ended the answer, not the budget
+            constraint = self.request.constraint
+            self.finish_reason = "stop" if constraint is not None and constraint.finished() else "length"
         new = self.generated[before:]
         if self.request.on_block is not None and new:
             self.request.on_block(self.request, new)

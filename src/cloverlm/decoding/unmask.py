@@ -5,7 +5,7 @@
 * plain rows (greedy threshold decoding without grammar or slots) are decided together, on the model's
   device; only the chosen ids and their confidences come to the host;
 * rows under a grammar (`_constrained`) decide from the leftmost undecided target on, each choice under
-  the grammar state after the ones before it (docs/design.md, constrained decoding);
+  the grammar state after the ones before it (docs/design.md, 4b);
 * every other row (sampling, low_confidence, slots) on the host, one by one (`_general`).
 
 The tensor rules (`threshold_accept`, `greedy`, `choose_tokens`) are shared by all three.

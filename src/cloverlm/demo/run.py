@@ -43,12 +43,19 @@ from cloverlm.demo.messages import (
 from cloverlm.demo.plots import render_denoising_strip, render_zone_map
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import inference_dtype
+from cloverlm.decoding.grounding import DEFAULT_ANSWERS, schema_for
 from cloverlm.tasks.no_fly_zones import FIELDS, INSTRUCTION, parse_zones, zones_schema
 from cloverlm.tokenizer import stop_token_ids
 
 BASE_PEER = "base"  # --peer base: the converted model's base, zero-shot
 MAP_FILE, STRIP_FILE = "no_fly_zones.png", "denoising.png"
 MASK_SHOWN = "░"  # a still-masked position in the live view
+ANSWERS_SAID = {
+    "grounded": "Answers: under the zone list's schema, grounded: every copied value is one written in the messages "
+                "(--plain-schema: the schema alone; --free: no schema).",
+    "schema": "Answers: under the zone list's schema, values free (--plain-schema); the default grounds them in the messages.",
+    "free": "Answers: free text, no schema (--free).",
+}
 
 
 @dataclass
@@ -251,12 +258,13 @@ def run_demo(
     prompt_token_limit: int = PROMPT_TOKEN_LIMIT,
     max_new_tokens: int | None = None,
     console: Console | None = None,
-    free: bool = False,
+    answers: str = DEFAULT_ANSWERS,
 ) -> dict:
     """Run the whole demo on loaded models; writes the map and the strip into out_dir (and the JSON
     report to json_path when given) and returns the report. max_new_tokens None: the budget for the
     messages kept (answer_token_budget). Both models decode under the answer's JSON schema (every key,
-    quote and bracket forced) unless `free`."""
+    quote and bracket forced), by default grounded (every copied value one written in the messages):
+    `answers` is one of decoding.grounding.ANSWER_MODES."""
     console = console or Console()
     out_dir = _writable_dir(Path(out_dir))
     if json_path is not None:
@@ -281,7 +289,9 @@ def run_demo(
 
     params.max_new_tokens = max_new_tokens or answer_token_budget(kept)
     params.stop_token_ids = stop_token_ids(tokenizer)
-    fresh = _constraints(tokenizer, clover_model.config.vocab_size, params.stop_token_ids, kept, free)
+    console.print(Text(ANSWERS_SAID[answers], style="dim"))
+    fresh = _constraints(tokenizer, clover_model.config.vocab_size, params.stop_token_ids, kept, answers,
+                         "\n".join(messages.texts[:kept]))
     clover, view = run_clover(clover_model, tokenizer, prompt_ids, params, messages, console, fresh())
     runs = [clover]
     if peer_model is not None:
@@ -306,7 +316,7 @@ def run_demo(
         f"Clover, block {number}: {len(steps)} denoising steps (yellow: unmasked at that step, grey: still masked)",
     )
     written = [out_dir / MAP_FILE, out_dir / STRIP_FILE]
-    report = report_json(clover, peer) | {"schema": not free}
+    report = report_json(clover, peer) | {"schema": answers != "free", "answers": answers}
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
         written.append(Path(json_path))
@@ -314,14 +324,16 @@ def run_demo(
     return report
 
 
-def _constraints(tokenizer, vocab_size: int, stop_ids, n_messages: int, free: bool):
-    """A maker of fresh constraints for the zone list's schema (one per model), or of None when free."""
-    if free:
+def _constraints(tokenizer, vocab_size: int, stop_ids, n_messages: int, answers: str, source: str):
+    """A maker of fresh constraints for the zone list's schema (one per model), or of None when free;
+    grounded values come from `source`, the messages."""
+    schema = schema_for(zones_schema(n_messages), answers)
+    if schema is None:
         return lambda: None
     from cloverlm.decoding.grammar import Grammars
 
     grammars = Grammars(tokenizer, vocab_size, stop_ids)
-    grammar = grammars.json_schema(zones_schema(n_messages))
+    grammar = grammars.json_schema(schema, source)
     return lambda: grammars.constraint(grammar)
 
 
@@ -362,7 +374,7 @@ def demo(
     json_path: Path | None = None,
     block_size: int = DecodeParams.block_size,
     threshold: float = DecodeParams.threshold,
-    free: bool = False,
+    answers: str = DEFAULT_ANSWERS,
 ) -> dict:
     """`clover demo`: load the models and the messages, then run_demo. peer_dir None: Clover only;
     peer_required: a missing peer folder is an error (an explicit --peer) rather than a note."""
@@ -374,5 +386,5 @@ def demo(
     peer = _load_peer(peer_dir, peer_required, tokenizer, console)
     return run_demo(
         load_model(model_dir, inference_dtype()), tokenizer, messages, out_dir, peer_model=peer, json_path=json_path,
-        block_size=block_size, threshold=threshold, console=console, free=free,
+        block_size=block_size, threshold=threshold, console=console, answers=answers,
     )

@@ -19,7 +19,10 @@ from cloverlm.evaluation.chat import read_chat, teacher_forced_agreement
 from cloverlm.evaluation.evaluate import evaluate_tasks
 
 CAMPAIGN_EVAL = "campaign.json"
-EVAL_VERSION = 1  # bump when the points or their settings change: cached results are then recomputed
+EVAL_VERSION = 2  # bump when the points or their settings change: cached results are then recomputed
+# The points decode under the plain schema (issue 28's targets were set there); the json_guard rules and
+# budget-aware closing came with version 2.
+ANSWERS = "schema"
 THRESHOLD = 0.9
 SIZES = {"no_fly_zones": {"n_messages": 20}, "no_fly_zones_unseen": {"n_messages": 20}}
 METRIC = {"no_fly_zones": "zone_exact_match", "no_fly_zones_unseen": "zone_exact_match", "tool_call": "exact"}
@@ -55,7 +58,7 @@ def evaluate_folder(folder: str | Path, prompts: int = 20, cache: bool = False, 
     points, summary = {}, {}
     for point, (task, block_size) in (PEER_POINTS if peer else CLOVER_POINTS).items():
         report = evaluate_tasks(model, tokenizer, [task], prompts, block_size=block_size, threshold=THRESHOLD,
-                                sizes=SIZES, per_prompt=True)[task]  # fmt: skip
+                                sizes=SIZES, answers=ANSWERS, per_prompt=True)[task]  # fmt: skip
         points[point] = [score[METRIC[task]] for score in report["per_prompt"]]
         summary[point] = round(statistics.mean(points[point]), 4)
         if block_size > 1:

@@ -1,9 +1,10 @@
 """Per-task accuracy on held-out prompts, for Clover (decoded by the engine, all prompts of a task
 batched) and for its autoregressive peer (transformers' generate, one prompt at a time).
 
-By default an answer with a schema (the task's `answer_schema`, or the offered tools for a tool call) is
-decoded under that grammar, for Clover and the peer alike (the peer with jump-forward); `free=True`
-decodes without. The report says which, and the share of answer tokens the grammar forced."""
+An answer with a schema (the task's `answer_schema`, or the offered tools for a tool call) is decoded
+under that grammar, for Clover and the peer alike (the peer with jump-forward), as `answers` says
+(`decoding.grounding.ANSWER_MODES`: grounded by default, the plain schema, or free). The report says
+which, and the share of answer tokens the grammar forced."""
 
 from __future__ import annotations
 
@@ -14,18 +15,22 @@ from tqdm import tqdm
 
 from cloverlm import tasks
 from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.grounding import DEFAULT_ANSWERS, schema_for
 from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.evaluation.heldout import answer_budget, heldout_examples
 from cloverlm.tokenizer import stop_token_ids
 
 
-def answer_grammar(grammars, task, example) -> str | None:
-    """The grammar an answer is decoded under: a tool call's for the offered tools, else the task's schema."""
+def answer_grammar(grammars, task, example, answers: str = DEFAULT_ANSWERS) -> str | None:
+    """The grammar an answer is decoded under in mode `answers`: a tool call's for the offered tools, else
+    the task's schema (grounded in the example's prompt); None when free."""
+    if answers == "free":
+        return None
     if example.tools:
         tools = [(tool["function"]["name"], tool["function"].get("parameters")) for tool in example.tools]
         return grammars.tool_calls(tools, single=True)
-    schema = task.answer_schema(example)
-    return None if schema is None else grammars.json_schema(schema)
+    schema = schema_for(task.answer_schema(example), answers)
+    return None if schema is None else grammars.json_schema(schema, example.prompt)
 
 
 def forced_count(constraint, tokens: list[int]) -> int:
@@ -76,26 +81,27 @@ def evaluate_tasks(
     calibration=None,
     sizes: dict[str, dict[str, int]] | None = None,
     prompt_lookup: int = 0,
-    free: bool = False,
+    answers: str = DEFAULT_ANSWERS,
     per_prompt: bool = False,
 ) -> dict:
     """Mean of each checker field over `count` held-out prompts per task, plus the tokens generated,
     tokens per forward and (under a grammar) the share of answer tokens it forced.
     `model` is Clover or the peer (the decoding options are Clover's); `sizes` gives a generator's size
     arguments by task (e.g. {"no_fly_zones": {"n_messages": 4}}); block_size="auto" needs `calibration`;
-    prompt_lookup is the peer's free decoding's (see peer_generate); free=True decodes without grammars.
+    prompt_lookup is the peer's free decoding's (see peer_generate); `answers` is the mode of the module doc.
     per_prompt=True adds each prompt's checker fields (report[task]["per_prompt"], in prompt order), for
     paired comparisons of two models on the same prompts."""
     from cloverlm.decoding.grammar import Grammars
 
     is_clover = model.config.model_type == "clover"
     stop_ids = stop_token_ids(tokenizer)
-    grammars = None if free else Grammars(tokenizer, model.config.vocab_size, stop_ids)
+    schema_for(None, answers)  # a bad mode fails before minutes of decoding
+    grammars = None if answers == "free" else Grammars(tokenizer, model.config.vocab_size, stop_ids)
     report = {}
     for name in task_names:
         task = tasks.get_task(name)
         examples = heldout_examples(tokenizer, name, count, 1 << 30, **(sizes or {}).get(name, {}))
-        grammar = [None if free else answer_grammar(grammars, task, e.example) for e in examples]
+        grammar = [answer_grammar(grammars, task, e.example, answers) for e in examples]
 
         def fresh(index: int, grammar=grammar):  # a new matcher each call: one to decode, one to count forced tokens
             return None if grammar[index] is None else grammars.constraint(grammar[index])
@@ -123,6 +129,7 @@ def evaluate_tasks(
         report[name]["new_tokens"] = tokens
         report[name]["tokens_per_forward"] = round(tokens / max(forwards, 1), 3)
         report[name]["constrained"] = any(g is not None for g in grammar)
+        report[name]["answers"] = answers
         if report[name]["constrained"]:
             report[name]["forced_share"] = round(forced / max(tokens, 1), 3)
         report[name]["seconds"] = round(time.perf_counter() - started, 1)

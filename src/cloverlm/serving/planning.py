@@ -149,14 +149,16 @@ class Server:
             raise APIError(400, f"at most {self.config.max_stop} stop strings", "stop")
         return StopStrings(self.tokenizer, strings) if any(strings) else None
 
-    def response_grammar(self, response_format: ResponseFormat | None) -> str | None:
+    def response_grammar(self, response_format: ResponseFormat | None, source: str) -> str | None:
+        """The grammar of a response format; `source` is the text a grounded field copies from (the
+        messages' contents, or the prompts)."""
         if response_format is None or response_format.type == "text":
             return None
         if response_format.type == "json_object":
             return self.grammars.json_object()
         if response_format.json_schema is None:
             raise APIError(400, "response_format json_schema needs a json_schema field", "response_format")
-        return self.grammars.json_schema(response_format.json_schema.json_schema)
+        return self.grammars.json_schema(response_format.json_schema.json_schema, source)
 
     def compile(self, grammar: str | None, param: str) -> GrammarConstraint | None:
         if grammar is None:
@@ -186,7 +188,8 @@ class Server:
         stops = self.stop_strings(body.stop)
         params = self.decode_params(body, body.max_tokens, stops, max(len(p) for p in prompts), "prompt")
         try:
-            grammar = self.response_grammar(body.response_format)
+            source = "\n".join(self.tokenizer.decode(p) for p in prompts)
+            grammar = self.response_grammar(body.response_format, source)
         except CloverError as error:
             raise APIError(400, str(error), "response_format", "invalid_schema") from None
         return Plan(prompts, params, body.n, self.compile(grammar, "response_format"), stops, frozenset(), body.stream,
@@ -219,7 +222,7 @@ class Server:
                 raise APIError(400, str(error), "tools", "invalid_schema") from None
         try:
             grammar = (self.tool_grammar(tools, choice, body.parallel_tool_calls) if forced_call
-                       else self.response_grammar(body.response_format))
+                       else self.response_grammar(body.response_format, "\n".join(m["content"] or "" for m in messages)))
         except CloverError as error:
             raise APIError(400, str(error), param, "invalid_schema") from None
         names = frozenset(t.function.name for t in tools or ())

@@ -48,16 +48,19 @@ _UPPER = ("400FT", "500FT", "1000FT", "1200FT", "2000FT", "3000FT")
 # Patterns force what `compose` and `_fields` fix: a letter, four digits and "/26"; minutes of 2026;
 # SFC or whole feet (_LOWER, _UPPER). Numbers stay JSON numbers, bounded by the globe only: no
 # multipleOf for the four decimals, since jsonschema's float test rejects 47.1234 as a multiple of 0.0001.
+# Every value but the unit is copied from its message: those fields are grounded (issue 29,
+# decoding/grounding.py), so under the grounded schema they take only values written in the prompt.
 _FEET = "[1-9][0-9]{2,3}FT"
-_TIME = {"type": "string", "pattern": "^2026-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}Z$"}
+_GROUNDED = {"x-grounded": True}
+_TIME = {"type": "string", "pattern": "^2026-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}Z$"} | _GROUNDED
 _VALUE_SCHEMAS = {
-    "id": {"type": "string", "pattern": "^[A-Z][0-9]{4}/26$"},
-    "lat": {"type": "number", "minimum": -90, "maximum": 90},
-    "lon": {"type": "number", "minimum": -180, "maximum": 180},
-    "radius": {"type": "number", "minimum": 0},
+    "id": {"type": "string", "pattern": "^[A-Z][0-9]{4}/26$"} | _GROUNDED,
+    "lat": {"type": "number", "minimum": -90, "maximum": 90} | _GROUNDED,
+    "lon": {"type": "number", "minimum": -180, "maximum": 180} | _GROUNDED,
+    "radius": {"type": "number", "minimum": 0} | _GROUNDED,
     "unit": {"enum": ["NM", "KM"]},
-    "lower": {"type": "string", "pattern": f"^(SFC|{_FEET})$"},
-    "upper": {"type": "string", "pattern": f"^{_FEET}$"},
+    "lower": {"type": "string", "pattern": f"^(SFC|{_FEET})$"} | _GROUNDED,
+    "upper": {"type": "string", "pattern": f"^{_FEET}$"} | _GROUNDED,
     "start": _TIME,
     "end": _TIME,
 }

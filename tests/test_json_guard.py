@@ -1,0 +1,127 @@
+"""Answers that end under a grammar (issue 29), on the grammar alone: numbers of bounded digits, no key
+written twice, no looping run, and an ending within the budget, at one token a step and in blocks of 16.
+The "model" is a fixed ranking of tokens that walks into each run (`_decode`): no weights involved."""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from cloverlm.convert.load import load_folder_tokenizer
+from cloverlm.decoding.grammar import Grammars
+from cloverlm.decoding.json_guard import LOOP_SPAN, MAX_NUMBER_DIGITS
+from cloverlm.decoding.params import DecodeParams, Request
+from cloverlm.decoding.row import DecodeRow
+from cloverlm.decoding.unmask import unmask
+from cloverlm.tokenizer import MASK_TOKEN, stop_token_ids
+
+ZONE = {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}, "radius_km": {"type": "number"}},
+        "required": ["lat", "lon", "radius_km"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """The shipped model's tokenizer (SmolLM2's, with [MASK]): the issue's reproduction used it."""
+    tokenizer = load_folder_tokenizer("models/smollm2-clover")
+    return tokenizer, Grammars(tokenizer, len(tokenizer), stop_token_ids(tokenizer))
+
+
+def _ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _ranking(tokenizer, texts: list[str]) -> torch.Tensor:
+    """Logits that rank the tokens of `texts` first, in order (one token each), all others far below."""
+    logits = torch.full((len(tokenizer),), -20.0)
+    for rank, text in enumerate(texts):
+        [token] = _ids(tokenizer, text)
+        logits[token] = 20.0 - rank
+    return logits
+
+
+def _decode(tokenizer, constraint, logits, block_size, max_new_tokens=64):
+    """The engine's loop for one row (start_block, unmask, finish_block, next_block) with the same
+    logits at every position; returns the finished row."""
+    params = DecodeParams(max_new_tokens=max_new_tokens, block_size=block_size, threshold=0.9,
+                          stop_token_ids=stop_token_ids(tokenizer))
+    row = DecodeRow(Request([1], params, constraint=constraint), 0, tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+                    tokenizer.eos_token_id)
+    row.start_block(block_size)
+    for _ in range(10 * max_new_tokens):
+        if unmask([row], logits.expand(1, len(row.block), -1), lookahead=True)[0]:
+            row.finish_block(record=False)
+            if row.finish_reason is not None:
+                return row
+            row.next_block(block_size, commit_in_place=False)
+    raise AssertionError("the row never finished")
+
+
+def test_a_number_cannot_continue_past_the_digit_cap(smol):
+    tokenizer, grammars = smol
+    constraint = grammars.constraint(grammars.json_schema(ZONE))
+    for token in _ids(tokenizer, '{"lat":5.9'):
+        constraint.advance(token)
+    zero, comma = _ids(tokenizer, "0"), _ids(tokenizer, ",")
+    for _ in range(MAX_NUMBER_DIGITS - 2):
+        assert constraint.allows(zero[0])
+        constraint.advance(zero[0])
+    assert not constraint.allows(zero[0]) and constraint.allows(comma[0])
+    allowed = constraint.allowed()
+    texts = [tokenizer.decode([t]) for t in allowed.nonzero()[:, 0].tolist()]
+    assert texts and all(not text[0] in "0123456789.eE+-" for text in texts)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_the_issue_example_closes_within_64_tokens(smol, block_size):
+    """The reproduction of issue 29: a model that loves zeros wrote 5.970000… until the budget ran out."""
+    tokenizer, grammars = smol
+    logits = _ranking(tokenizer, ["0", "5", ".", "9", "}"])
+    row = _decode(tokenizer, grammars.constraint(grammars.json_schema(ZONE)), logits, block_size)
+    text = tokenizer.decode(row.generated)
+    assert row.finish_reason == "stop" and len(row.generated) <= 64
+    jsonschema.validate(json.loads(text), ZONE)
+
+
+def _no_repeated_keys(pairs):
+    keys = [key for key, _ in pairs]
+    assert len(keys) == len(set(keys)), f"a key written twice: {keys}"
+    return dict(pairs)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_free_object_never_writes_a_key_twice_and_closes(smol, block_size):
+    tokenizer, grammars = smol
+    # the keys the model likes best are a few: it would write them again and again
+    logits = _ranking(tokenizer, ['"', "use", "_", "upper", "case", "true", ":", ","])
+    for grammar in (grammars.json_object(), grammars.json_schema({"type": "object", "properties": {"use_uppercase": {"type": "boolean"}}})):
+        row = _decode(tokenizer, grammars.constraint(grammar), logits, block_size, max_new_tokens=128)
+        text = tokenizer.decode(row.generated)
+        assert row.finish_reason == "stop", text
+        json.loads(text, object_pairs_hook=_no_repeated_keys)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_looping_string_is_cut_and_closed(smol, block_size):
+    tokenizer, grammars = smol
+    logits = _ranking(tokenizer, ["free", "text", "_", '"'])
+    schema = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"], "additionalProperties": False}
+    row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, block_size, max_new_tokens=256)
+    note = json.loads(tokenizer.decode(row.generated))["note"]
+    # LOOP_SPAN tokens of one repeated token make a loop: then the string may only close
+    assert row.finish_reason == "stop" and note == "free" * LOOP_SPAN
+
+
+def test_arrays_keep_max_items_and_close(smol):
+    tokenizer, grammars = smol
+    logits = _ranking(tokenizer, ["1", ",", "]"])
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 3}
+    row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, 16)
+    assert row.finish_reason == "stop" and len(json.loads(tokenizer.decode(row.generated))) <= 3
+
+
+def test_a_budget_too_small_for_the_schema_still_ends_with_length(smol):
+    tokenizer, grammars = smol
+    logits = _ranking(tokenizer, ["0", "5", ".", "9", "}"])
+    row = _decode(tokenizer, grammars.constraint(grammars.json_schema(ZONE)), logits, 1, max_new_tokens=6)
+    assert row.finish_reason == "length" and len(row.generated) == 6
