@@ -31,7 +31,7 @@ TASK_FIELDS = {"clover", "clover_b1", "peer", "peer_lookup", "llama_cpp", "speed
 CLOVER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s", "tpf"}
 PEER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s"}
 SWEEP_FIELDS = {"block_size", "threshold", "tpf", "tokens_per_s", "accuracy"}
-SCHEMA_FIELDS = {"parsed", "schema_valid", "truncated", "zone_exact", "tokens", "forwards", "tpf", "forced_share", "wall_s_median", "ms_per_forward", "grammar_ms_per_forward"}
+SCHEMA_FIELDS = {"parsed", "schema_valid", "truncated", "zone_exact", "tokens", "forwards", "tpf", "forced_share", "wall_s_median", "ms_per_forward", "grammar_ms_per_forward", "refused"}
 CONTEXT_FIELDS = {"context", "clover_block_ms", "memory_only_block_ms", "block_tokens", "peer_token_ms", "speedup"}
 # short answers keep a run of the bench on tiny models to a few seconds
 OPTIONS = BenchOptions(
@@ -157,6 +157,7 @@ def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
         assert 0 < schema[name]["forced_share"] < 1
         assert 0 < schema[name]["grammar_ms_per_forward"] < schema[name]["ms_per_forward"]
     assert schema["clover_free"]["forced_share"] is None and schema["clover_free"]["grammar_ms_per_forward"] is None
+    assert schema["clover_free"]["refused"] is None and set(schema["clover_schema"]["refused"]) == {"guard", "budget"}
     assert schema["schema_cost_per_forward"] == pytest.approx(
         1 + schema["clover_schema"]["grammar_ms_per_forward"] / schema["clover_free"]["ms_per_forward"], rel=1e-2
     )

@@ -77,9 +77,11 @@ def test_the_issue_example_closes_within_64_tokens(smol, block_size):
     """The reproduction of issue 29: a model that loves zeros wrote 5.970000… until the budget ran out."""
     tokenizer, grammars = smol
     logits = _ranking(tokenizer, ["0", "5", ".", "9", "}"])
-    row = _decode(tokenizer, grammars.constraint(grammars.json_schema(ZONE)), logits, block_size)
+    constraint = grammars.constraint(grammars.json_schema(ZONE))
+    row = _decode(tokenizer, constraint, logits, block_size)
     text = tokenizer.decode(row.generated)
     assert row.finish_reason == "stop" and len(row.generated) <= 64
+    assert constraint.refused["guard"] > 0  # the digit cap turned the model's zero down
     jsonschema.validate(json.loads(text), ZONE)
 
 

@@ -19,7 +19,9 @@ zone_exact_match), tokens and forwards summed over the prompts, tpf (tokens per 
 (share of the answer tokens the grammar fixed; null when free), wall_s_median (median wall seconds per
 request), ms_per_forward (summed wall over summed forwards, the prompt's prefill included: fewer
 forwards share it, so this rises as TPF does), grammar_ms_per_forward (time inside the grammar's calls,
-masks, checks, advances and forced runs, over forwards; null when free).
+masks, checks, advances and forced runs, over forwards; null when free), refused (model choices the
+grammar allowed that json_guard's rules or budget-aware closing turned down, summed; null when free:
+on answers that do not loop, what those rules cost).
 Then, from the same run:
 * schema_cost_per_forward = 1 + clover_schema grammar_ms_per_forward / clover_free ms_per_forward: a
   constrained forward's cost over a free one's, the grammar's host work being the difference;
@@ -79,13 +81,13 @@ def bench_schema(models: BenchModels, options: BenchOptions) -> dict:
         constraint = _TimedConstraint(grammars.constraint(grammar[mode][index])) if mode else None
         params = clover_params(encoded, options, tokenizer, options.block_size)
         [completion] = engine.generate([Request(prompt_ids(encoded), params, constraint=constraint)])
-        return completion.tokens, completion.forwards, constraint and constraint.seconds
+        return completion.tokens, completion.forwards, constraint
 
     def peer(index: int, mode: str) -> tuple[list[int], int, float]:
         encoded = examples[index]
         constraint = _TimedConstraint(grammars.constraint(grammar[mode][index]))
         out = peer_generate_constrained(models.peer, prompt_ids(encoded), constraint, answer_budget(encoded), stops)
-        return out.tokens, out.forwards, constraint.seconds
+        return out.tokens, out.forwards, constraint
 
     runners = {"clover_free": (clover, None), "clover_schema": (clover, "schema"), "clover_grounded": (clover, "grounded")}
     if models.peer is not None:
@@ -97,11 +99,12 @@ def bench_schema(models: BenchModels, options: BenchOptions) -> dict:
         for index, encoded in enumerate(examples):
             for name, (run, mode) in runners.items():
                 started = time.perf_counter()
-                tokens, forwards, grammar_seconds = run(index, mode)
+                tokens, forwards, constraint = run(index, mode)
                 wall = time.perf_counter() - started
                 text = tokenizer.decode(tokens)
                 rows[name].append({
-                    "tokens": len(tokens), "forwards": forwards, "wall": wall, "grammar": grammar_seconds,
+                    "tokens": len(tokens), "forwards": forwards, "wall": wall, "grammar": constraint and constraint.seconds,
+                    "refused": constraint and constraint.constraint.refused,
                     "parsed": parse_json(text, "[") is not None,
                     "valid": _schema_valid(text, plain[index]),
                     "truncated": len(tokens) >= answer_budget(encoded) and not _schema_valid(text, plain[index]),
@@ -141,6 +144,8 @@ def _summary(rows: list[dict]) -> dict:
         "wall_s_median": round(statistics.median(row["wall"] for row in rows), 4),
         "ms_per_forward": round(1000 * wall / max(forwards, 1), 2),
         "grammar_ms_per_forward": round(1000 * sum(row["grammar"] for row in rows) / max(forwards, 1), 3) if forced else None,
+        # model choices the grammar allowed but json_guard's rules (guard) or the budget's ending (budget) refused
+        "refused": {key: sum(row["refused"][key] for row in rows) for key in ("guard", "budget")} if forced else None,
     }
 
 

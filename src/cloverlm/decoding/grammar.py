@@ -184,6 +184,7 @@ class GrammarConstraint:
         self.state = state
         self.budget: int | None = None
         self.used = 0
+        self.refused = {"guard": 0, "budget": 0}  # model choices the grammar allowed but these rules did not
         self._ending: list[int] | None = None
         self._ending_at = -RECHECK  # when `_ending` was looked for (in tokens used)
 
@@ -222,10 +223,16 @@ class GrammarConstraint:
             return bool(self.grammars.end_mask[token])
         if token in self.grammars.banned or token >= self.grammars.lltokenizer.vocab_size:
             return False
-        if self.matcher.validate_tokens([token]) != 1 or self.state.forbids(token):
+        if self.matcher.validate_tokens([token]) != 1:
+            return False
+        if self.state.forbids(token):
+            self.refused["guard"] += 1
             return False
         ending = self._near_ending()
-        return ending is None or token == ending[0] or self._fits_after(token)
+        if ending is None or token == ending[0] or self._fits_after(token):
+            return True
+        self.refused["budget"] += 1
+        return False
 
     def advance(self, token: int) -> None:
         self.matcher.consume_token(token)
