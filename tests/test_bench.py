@@ -30,7 +30,7 @@ VOCAB = 1536  # room for the tokenizer's 1,110 digit groups
 TASK_FIELDS = {"clover", "clover_b1", "peer", "peer_lookup", "llama_cpp", "speedup", "speedup_vs", "constrained"}
 CLOVER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s", "tpf"}
 PEER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s"}
-SWEEP_FIELDS = {"block_size", "threshold", "tpf", "tokens_per_s", "accuracy"}
+SWEEP_FIELDS = {"block_size", "threshold", "tpf", "tokens_per_s", "accuracy", "answers"}
 SCHEMA_FIELDS = {"parsed", "schema_valid", "truncated", "zone_exact", "tokens", "forwards", "tpf", "forced_share", "wall_s_median", "ms_per_forward", "grammar_ms_per_forward", "refused"}
 CONTEXT_FIELDS = {"context", "clover_block_ms", "memory_only_block_ms", "block_tokens", "peer_token_ms", "speedup"}
 # short answers keep a run of the bench on tiny models to a few seconds

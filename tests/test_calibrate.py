@@ -47,17 +47,22 @@ def test_auto_needs_a_calibration():
 def test_calibrate_end_to_end(tmp_path, tokenizer, random_model):
     model = random_model
     calibration, report = calibrate(model, tokenizer, fit_prompts=4, eval_prompts=2, max_new_tokens=12, sizes=(1, 4, 8))
-    assert [row["block_size"] for row in report["evaluation"]] == [1, 4, 8, "auto"]
-    # at most a block a forward, and at size 1 exactly one token a forward
-    assert all(0 < row["tpf"] <= size for row, size in zip(report["evaluation"], [1, 4, 8, 8]))
-    assert report["evaluation"][0]["tpf"] == 1.0
-    assert report["fit"][1]["mean_steps"] == 1.0 and report["fit"][8]["blocks"] > 0
+    rows = report["evaluation"]
+    assert [(row["requests"], row["block_size"]) for row in rows] == [
+        (kind, size) for kind in ("free", "constrained") for size in (1, 4, 8, "auto")]
+    # at most a block a forward, and at size 1 exactly one token a forward (forced tokens count as decided)
+    assert all(0 < row["tpf"] <= size for row, size in zip(rows, [1, 4, 8, 8] * 2) if row["requests"] == "free")
+    assert rows[0]["tpf"] == 1.0
+    for kind in ("free", "constrained"):
+        assert report["fit"][kind][1]["mean_steps"] == 1.0 and report["fit"][kind][8]["blocks"] > 0
     assert len(calibration.forward_ms) == 3 and min(calibration.forward_ms) > 0
     calibration.save(tmp_path, extra=report)
     loaded = load_calibration(tmp_path)
     probe = torch.randn(model.config.hidden_size)
-    assert loaded.choose(probe) == calibration.choose(probe)
-    torch.testing.assert_close(loaded.predicted_steps(probe), calibration.predicted_steps(probe))
+    for constrained in (False, True):  # two heads, both saved
+        assert loaded.choose(probe, constrained) == calibration.choose(probe, constrained)
+        torch.testing.assert_close(loaded.predicted_steps(probe, constrained), calibration.predicted_steps(probe, constrained))
+    assert not torch.equal(calibration.predicted_steps(probe), calibration.predicted_steps(probe, True))
     assert load_calibration(tmp_path / "nothing") is None
 
     sizes = []

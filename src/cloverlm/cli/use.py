@@ -124,7 +124,8 @@ def cmd_calibrate(args) -> None:
     folder = _model_dir(args)
     calibration.save(folder, extra=report)
     for row in report["evaluation"]:
-        print(f"block size {row['block_size']!s:>4}: {row['tpf']:6.2f} tokens/forward  {row['tokens_per_s']:7.1f} tokens/s  accuracy {row['accuracy']:.3f}")
+        print(f"{row['requests']:>11} block size {row['block_size']!s:>4}: {row['tpf']:6.2f} tokens/forward  "
+              f"{row['tokens_per_s']:7.1f} tokens/s  accuracy {row['accuracy']:.3f}")
     print(f"calibration written to {folder}/calibration.json")
 
 

@@ -4,7 +4,10 @@ A small head reads the hidden state a block starts from (the final hidden state 
 position) and predicts, for each candidate size n, how many denoising steps the next block would take
 at the calibrated threshold. The decoder picks the size with the highest expected tokens per second,
 n / (steps(n) * forward_ms(n)), where forward_ms is measured on the calibrating machine: a bigger block
-only pays when the model is sure enough to fill it in few steps. `clover calibrate`
+only pays when the model is sure enough to fill it in few steps. Under a grammar forced runs fill part
+of every block for free, which changes the size that pays, and the hidden state cannot tell whether a
+request is constrained: such requests get their own head (`constrained`, fitted on answers decoded
+under schemas, plain and grounded), where one was fitted. `clover calibrate`
 (cloverlm.training.calibrate) fits it and saves calibration.json + calibration.safetensors into the
 model folder.
 """
@@ -29,19 +32,24 @@ class Calibration:
     weight: torch.Tensor  # [S, H]: log(steps) = weight @ hidden + bias
     bias: torch.Tensor  # [S]
     prefill_block_size: int = 16
+    constrained: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, bias) for requests under a grammar
 
-    def predicted_steps(self, hidden: torch.Tensor) -> torch.Tensor:
-        steps = (self.weight @ hidden.float() + self.bias).exp()
+    def predicted_steps(self, hidden: torch.Tensor, constrained: bool = False) -> torch.Tensor:
+        weight, bias = self.constrained if constrained and self.constrained is not None else (self.weight, self.bias)
+        steps = (weight @ hidden.float() + bias).exp()
         return torch.minimum(steps.clamp(min=1.0), torch.tensor(self.block_sizes, dtype=torch.float32))
 
-    def choose(self, hidden: torch.Tensor) -> int:
+    def choose(self, hidden: torch.Tensor, constrained: bool = False) -> int:
         sizes = torch.tensor(self.block_sizes, dtype=torch.float32)
-        speed = sizes / (self.predicted_steps(hidden) * torch.tensor(self.forward_ms))
+        speed = sizes / (self.predicted_steps(hidden, constrained) * torch.tensor(self.forward_ms))
         return self.block_sizes[int(speed.argmax())]
 
     def save(self, folder: Path, extra: dict | None = None) -> None:
         folder = Path(folder)
-        save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}, str(folder / FILES[1]))
+        tensors = {"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}
+        if self.constrained is not None:
+            tensors |= {"constrained_weight": self.constrained[0].contiguous(), "constrained_bias": self.constrained[1].contiguous()}
+        save_file(tensors, str(folder / FILES[1]))
         meta = {
             "block_sizes": self.block_sizes,
             "threshold": self.threshold,
@@ -66,4 +74,5 @@ def load_calibration(folder: str | Path) -> Calibration | None:
         weight=tensors["weight"],
         bias=tensors["bias"],
         prefill_block_size=meta.get("prefill_block_size", 16),
+        constrained=(tensors["constrained_weight"], tensors["constrained_bias"]) if "constrained_weight" in tensors else None,
     )

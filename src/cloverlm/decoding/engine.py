@@ -197,7 +197,7 @@ class Engine:
             if row.request.slots is not None:
                 row.start_slots(self.config.vocab_size)
             elif row.params.block_size == AUTO:
-                row.start_block(self.calibration.choose(row.last_hidden))
+                row.start_block(self.calibration.choose(row.last_hidden, row.request.constraint is not None))
             else:
                 row.start_block(size)
             joined.append((row, cache))
@@ -251,7 +251,8 @@ class Engine:
     def _end_block(self, row: DecodeRow) -> None:
         row.finish_block(self.record_blocks)
         if row.finish_reason is None:
-            size = self.calibration.choose(row.last_hidden) if row.params.block_size == AUTO else row.params.block_size
+            size = (self.calibration.choose(row.last_hidden, row.request.constraint is not None) if row.params.block_size == AUTO
+                    else row.params.block_size)
             row.next_block(size, self._commit_in_place(row))
 
     def _commit_in_place(self, row: DecodeRow) -> bool:

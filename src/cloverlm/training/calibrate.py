@@ -1,7 +1,9 @@
-"""`clover calibrate --model DIR`: fit the block-size head (cloverlm.decoding.calibration) on held-out
+"""`clover calibrate --model DIR`: fit the block-size heads (cloverlm.decoding.calibration) on held-out
 prompts (disjoint from the evaluation seeds) by decoding them at every candidate size and regressing
 log(steps) on the hidden state (ridge, closed form), then judge auto against every fixed size on the
-evaluation prompts.
+evaluation prompts. Two kinds of request, each with its own head and its own prompts: free answers
+over the whole task suite, and constrained ones (the tasks whose answers have a schema or a tool-call
+grammar, under the plain and the grounded schema in turn), as the server and the demo decode them.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from tqdm import tqdm
 from cloverlm import tasks
 from cloverlm.decoding.calibration import Calibration
 from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.grammar import Grammars
 from cloverlm.decoding.params import AUTO, DecodeParams, Request, drafts_supported
 from cloverlm.errors import CloverError
+from cloverlm.evaluation.evaluate import answer_grammar
 from cloverlm.evaluation.heldout import HELDOUT_SEED_BASE, encode_example
 from cloverlm.model.cache import CloverCache
 from cloverlm.model.layout import fixed_partition
@@ -25,11 +29,12 @@ from cloverlm.tokenizer import stop_token_ids
 
 CANDIDATE_SIZES = (1, 4, 8, 16, 32, 64)
 CALIBRATION_SEED_BASE = HELDOUT_SEED_BASE + 500_000  # held out from training, apart from evaluation seeds
-# calibrate()'s defaults, which `clover calibrate` reads: prompts to fit the head on, prompts to judge it
-# on, and the most new tokens of each.
+# calibrate()'s defaults, which `clover calibrate` reads: prompts to fit each head on, prompts to judge
+# it on, and the most new tokens of each.
 FIT_PROMPTS = 16
 EVAL_PROMPTS = 8
 MAX_NEW_TOKENS = 128
+KINDS = {"free": ("free",), "constrained": ("schema", "grounded")}  # a head per kind; the answer modes it is fitted on
 
 
 @torch.no_grad()
@@ -52,14 +57,24 @@ def measure_forward_ms(model, sizes, context: int = 256, repeats: int = 7) -> li
     return timings
 
 
-def calibration_prompts(tokenizer, count: int, seed_base: int, max_new_tokens: int) -> list[tuple[list[int], int, tasks.Example]]:
-    """(prompt ids, answer budget, example) spread over the task suite."""
-    names = tasks.SUITE
-    out = []
-    for i in range(count):
-        encoded = encode_example(tokenizer, tasks.generate(names[i % len(names)], seed_base + i))
+def calibration_prompts(tokenizer, count: int, seed_base: int, max_new_tokens: int, grammars: Grammars | None = None,
+                        modes: tuple[str, ...] = ("free",)) -> list[tuple]:
+    """(prompt ids, answer budget, example, grammar or None) spread over the task suite, the answer modes
+    (decoding.grounding.ANSWER_MODES) taken in turn; under a schema mode only prompts whose answer has a
+    grammar count."""
+    names, out, seed = tasks.SUITE, [], seed_base
+    while len(out) < count:
+        example = tasks.generate(names[seed % len(names)], seed)
+        mode = modes[len(out) % len(modes)]
+        grammar = None if mode == "free" else answer_grammar(grammars, tasks.get_task(example.task), example, mode)
+        seed += 1
+        if mode != "free" and grammar is None:
+            continue
+        encoded = encode_example(tokenizer, example)
         budget = min(max_new_tokens, len(encoded.ids) - encoded.prompt_length + 8)
-        out.append((encoded.ids[: encoded.prompt_length], budget, encoded.example))
+        out.append((encoded.ids[: encoded.prompt_length], budget, example, grammar))
+        if seed - seed_base > 100 * count:
+            raise CloverError(f"no task of the suite has answers under {modes}")
     return out
 
 
@@ -90,13 +105,15 @@ def fit_head(records_by_size: dict[int, list], hidden_size: int, ridge: float = 
     return weight, bias, fit
 
 
-def decode_all(model, prompts, params_for, calibration=None, record: bool = False, desc: str = ""):
-    """Decode every prompt alone (batch 1, as latency is measured); returns completions and wall seconds."""
+def decode_all(model, prompts, params_for, grammars=None, calibration=None, record: bool = False, desc: str = ""):
+    """Decode every prompt alone (batch 1, as latency is measured), under its grammar where it has one;
+    returns completions and wall seconds."""
     completions, seconds = [], 0.0
     engine = Engine(model, max_batch_size=1, calibration=calibration, record_blocks=record)
-    for ids, budget, _ in tqdm(prompts, desc=desc, leave=False):
+    for ids, budget, _, grammar in tqdm(prompts, desc=desc, leave=False):
         start = time.perf_counter()
-        [completion] = engine.generate([Request(ids, params_for(budget))])
+        constraint = None if grammar is None else grammars.constraint(grammar)
+        [completion] = engine.generate([Request(ids, params_for(budget), constraint=constraint)])
         seconds += time.perf_counter() - start
         completions.append(completion)
     return completions, seconds
@@ -104,7 +121,8 @@ def decode_all(model, prompts, params_for, calibration=None, record: bool = Fals
 
 def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fit_prompts: int = FIT_PROMPTS,
               eval_prompts: int = EVAL_PROMPTS, max_new_tokens: int = MAX_NEW_TOKENS, sizes=None, draft: bool | None = None):
-    """Fit the block-size head and judge it against every fixed size. Returns (Calibration, report).
+    """Fit the block-size heads (free and constrained requests) and judge each against every fixed size.
+    Returns (Calibration, report).
 
     draft: decode with prompt-lookup drafts, as the model will be served (default: where the model
     supports them); the steps a block takes depend on it."""
@@ -118,31 +136,37 @@ def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fi
         return lambda budget: DecodeParams(max_new_tokens=budget, block_size=size, threshold=threshold,
                                            stop_token_ids=stops, draft=draft)
 
-    fit_set = calibration_prompts(tokenizer, fit_prompts, CALIBRATION_SEED_BASE, max_new_tokens)
-    records = {}
-    for size in sizes:
-        completions, _ = decode_all(model, fit_set, params_for(size), record=True, desc=f"fit B={size}")
-        records[size] = [r for c in completions for r in c.block_records]
-    weight, bias, fit = fit_head(records, model.config.hidden_size)
+    grammars = Grammars(tokenizer, model.config.vocab_size, stops)
+    heads, fits, fit_sets = {}, {}, {}
+    for kind, modes in KINDS.items():
+        fit_sets[kind] = calibration_prompts(tokenizer, fit_prompts, CALIBRATION_SEED_BASE, max_new_tokens, grammars, modes)
+        records = {}
+        for size in sizes:
+            completions, _ = decode_all(model, fit_sets[kind], params_for(size), grammars, record=True, desc=f"fit {kind} B={size}")
+            records[size] = [r for c in completions for r in c.block_records]
+        *heads[kind], fits[kind] = fit_head(records, model.config.hidden_size)
     # Forward cost depends on the context it attends to: measure it at the fit prompts' median length.
-    context = int(statistics.median(len(ids) for ids, _, _ in fit_set))
-    calibration = Calibration(sizes, threshold, measure_forward_ms(model, sizes, context=context), weight, bias)
+    context = int(statistics.median(len(ids) for fit_set in fit_sets.values() for ids, *_ in fit_set))
+    calibration = Calibration(sizes, threshold, measure_forward_ms(model, sizes, context=context), *heads["free"],
+                              constrained=tuple(heads["constrained"]))
 
-    eval_set = calibration_prompts(tokenizer, eval_prompts, HELDOUT_SEED_BASE, max_new_tokens)
     judged = []
-    for size in [*sizes, AUTO]:
-        completions, seconds = decode_all(model, eval_set, params_for(size), calibration, desc=f"judge {size}")
-        tokens = sum(len(c.tokens) for c in completions)
-        accuracy = statistics.mean(
-            tasks.get_task(example.task).check(example, tokenizer.decode(c.tokens))["exact"]
-            for c, (_, _, example) in zip(completions, eval_set)
-        )
-        judged.append(
-            {
-                "block_size": size,
-                "tpf": round(tokens / max(sum(c.forwards for c in completions), 1), 3),
-                "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-                "accuracy": round(accuracy, 4),
-            }
-        )
-    return calibration, {"fit": fit, "evaluation": judged, "draft": draft, "forward_context": context}
+    for kind, modes in KINDS.items():
+        eval_set = calibration_prompts(tokenizer, eval_prompts, HELDOUT_SEED_BASE, max_new_tokens, grammars, modes)
+        for size in [*sizes, AUTO]:
+            completions, seconds = decode_all(model, eval_set, params_for(size), grammars, calibration, desc=f"judge {kind} {size}")
+            tokens = sum(len(c.tokens) for c in completions)
+            accuracy = statistics.mean(
+                tasks.get_task(example.task).check(example, tokenizer.decode(c.tokens))["exact"]
+                for c, (_, _, example, _) in zip(completions, eval_set)
+            )
+            judged.append(
+                {
+                    "requests": kind,
+                    "block_size": size,
+                    "tpf": round(tokens / max(sum(c.forwards for c in completions), 1), 3),
+                    "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+                    "accuracy": round(accuracy, 4),
+                }
+            )
+    return calibration, {"fit": fits, "evaluation": judged, "draft": draft, "forward_context": context}
