@@ -127,3 +127,16 @@ def test_a_budget_too_small_for_the_schema_still_ends_with_length(smol):
     logits = _ranking(tokenizer, ["0", "5", ".", "9", "}"])
     row = _decode(tokenizer, grammars.constraint(grammars.json_schema(ZONE)), logits, 1, max_new_tokens=6)
     assert row.finish_reason == "length" and len(row.generated) == 6
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_looping_string_that_cannot_close_yet_must_write_something_else(smol, block_size):
+    """Seen on a real schema: "size" with pattern ^[0-9]+x[0-9]+$ ran 6328800000… to the budget, since the
+    quote that ends a loop was not allowed before the x."""
+    tokenizer, grammars = smol
+    logits = _ranking(tokenizer, ["0", "x", "5", '"'])
+    schema = {"type": "object", "properties": {"size": {"type": "string", "pattern": "^[0-9]+x[0-9]+$"}}, "required": ["size"],
+              "additionalProperties": False}
+    row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, block_size, max_new_tokens=256)
+    size = json.loads(tokenizer.decode(row.generated))["size"]
+    assert row.finish_reason == "stop" and size.startswith("0" * LOOP_SPAN + "x") and len(row.generated) < 64

@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", action="store_true", help="Clover fills blocks with prompt-lookup drafts (all-attention models)")
     _add_answers(p)
     p.add_argument("--sections", nargs="+", metavar="NAME", help=f"run only these sections (default: all: {' '.join(bench.sections)})")
+    p.add_argument("--sweep-prompts", type=int, help=f"{bench.sweep_task} prompts of the block-size and threshold sweeps (default: {bench.sweep_prompts})")
     p.add_argument("--schema-prompts", type=int, help=f"no_fly_zones prompts of the schema section (default: {bench.schema_prompts}; --quick: {quick.schema_prompts})")
     p.add_argument("--llama-cpp", action="store_true",
                    help='add llama.cpp on the base\'s GGUF as a peer (needs pip install -e ".[llama]")')

@@ -163,7 +163,7 @@ def cmd_bench(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {"block_size": args.block_size, "threshold": args.threshold, "draft": args.draft, "answers": args.answers[0]}
-    for name in ("repeats", "prompts", "schema_prompts"):
+    for name in ("repeats", "prompts", "schema_prompts", "sweep_prompts"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.sections:

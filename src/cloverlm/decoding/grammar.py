@@ -137,9 +137,10 @@ class Grammars:
         width = min(len(allowed), self.vocab_size)
         mask[:width] = allowed[:width]
         mask[self.banned] = False
-        forbidden = state.forbidden()
-        if forbidden is not None and bool((mask & ~forbidden).any()):
-            mask &= ~forbidden
+        for forbidden in (state.forbidden(), state.loop_fallback()):
+            if forbidden is not None and bool((mask & ~forbidden).any()):
+                mask &= ~forbidden
+                break
         return mask if bool(mask.any()) else self.end_mask
 
     def ending(self, matcher: llguidance.LLMatcher, state: JsonState, limit: int) -> list[int] | None:

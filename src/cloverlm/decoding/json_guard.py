@@ -23,10 +23,11 @@ import torch
 # number that has 19 can only end.
 MAX_NUMBER_DIGITS = 19
 # A string or array is looping when its last tokens repeat a period of at most LOOP_PERIOD tokens at
-# least LOOP_REPEATS times, over at least LOOP_SPAN tokens of it. A looping string may only close; a
-# looping array may only close after the element being written (a model that is refused one repeat
-# starts the same run again: seen). docs/design.md (4b) gives what it costs on answers that do not loop.
-LOOP_PERIOD = 8
+# least LOOP_REPEATS times, over at least LOOP_SPAN tokens of it. A looping string may only close (or,
+# where its pattern cannot close yet, go on with any token but the loop's); a looping array may only
+# close after the element being written (a model that is refused one repeat starts the same run again:
+# seen). docs/design.md (4b) gives what it costs on answers that do not loop.
+LOOP_PERIOD = 16
 LOOP_REPEATS = 3
 LOOP_SPAN = 12
 
@@ -81,6 +82,7 @@ class JsonState:
         self.history: list[int] = []  # committed tokens, for the loop rule
         self.string_start = 0  # the first token inside the open string
         self.string_looped = False
+        self.loop_tokens: list[int] = []  # the period of the open string's loop
 
     def copy(self) -> JsonState:
         other = JsonState.__new__(JsonState)
@@ -88,6 +90,7 @@ class JsonState:
         other.stack = [_Frame(f.kind, set(f.keys), f.expect_key, f.start, f.looped) for f in self.stack]
         other.key = bytearray(self.key)
         other.history = list(self.history)
+        other.loop_tokens = list(self.loop_tokens)
         return other
 
     def feed(self, token: int) -> None:
@@ -95,10 +98,13 @@ class JsonState:
         for byte in self.table.token_bytes[token]:
             self._byte(byte)
         if self.in_string and not self.is_key:
-            self.string_looped = self.string_looped or _repeats(self.history[self.string_start:])
+            period = _period(self.history[self.string_start:])
+            if period:
+                self.string_looped = True
+                self.loop_tokens = sorted(set(self.loop_tokens) | set(self.history[-period:]))
         elif self.stack and self.stack[-1].kind == 0x5B and not self.in_string:
             frame = self.stack[-1]
-            frame.looped = frame.looped or _repeats(self.history[frame.start:])
+            frame.looped = frame.looped or bool(_period(self.history[frame.start:]))
 
     def _byte(self, byte: int) -> None:
         if self.in_string:
@@ -123,13 +129,22 @@ class JsonState:
             self.in_string = True
             self.is_key = top is not None and top.kind == 0x7B and top.expect_key
             self.key = bytearray()
-            self.string_start, self.string_looped = len(self.history), False
+            self.string_start, self.string_looped, self.loop_tokens = len(self.history), False, []
         elif byte in (0x7B, 0x5B):
             self.stack.append(_Frame(byte, expect_key=byte == 0x7B, start=len(self.history)))
         elif byte in (0x7D, 0x5D) and self.stack:
             self.stack.pop()
         elif top is not None and top.kind == 0x7B and byte in (0x3A, 0x2C):  # ':' then a value, ',' then a key
             top.expect_key = byte == 0x2C
+
+    def loop_fallback(self) -> torch.Tensor | None:
+        """Where `forbidden` leaves a looping string nothing (its pattern cannot close yet): the loop's
+        own tokens, so that it must at least write something else."""
+        if not (self.in_string and self.string_looped):
+            return None
+        out = torch.zeros(self.table.vocab_size, dtype=torch.bool)
+        out[self.loop_tokens] = True
+        return out
 
     def forbidden(self) -> torch.Tensor | None:
         """Bool [vocab] of the tokens that would break a rule of this module; None where none would."""
@@ -167,11 +182,11 @@ class JsonState:
         return bool(self.stack and self.stack[-1].looped and table.starts_comma[token])
 
 
-def _repeats(tokens: list[int]) -> bool:
-    """Whether `tokens` end in a run of some period <= LOOP_PERIOD repeated LOOP_REPEATS times over at
-    least LOOP_SPAN tokens."""
+def _period(tokens: list[int]) -> int:
+    """The period (<= LOOP_PERIOD) of a run that ends `tokens`, repeated LOOP_REPEATS times over at least
+    LOOP_SPAN tokens; 0 where there is none."""
     for period in range(1, LOOP_PERIOD + 1):
         span = max(period * LOOP_REPEATS, LOOP_SPAN)
         if len(tokens) >= span and all(tokens[-i] == tokens[-i - period] for i in range(1, span - period + 1)):
-            return True
-    return False
+            return period
+    return 0
