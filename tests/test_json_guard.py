@@ -140,3 +140,14 @@ def test_a_looping_string_that_cannot_close_yet_must_write_something_else(smol, 
     row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, block_size, max_new_tokens=256)
     size = json.loads(tokenizer.decode(row.generated))["size"]
     assert row.finish_reason == "stop" and size.startswith("0" * LOOP_SPAN + "x") and len(row.generated) < 64
+
+
+def test_formats_llguidance_does_not_know_are_dropped_as_annotations(smol):
+    tokenizer, grammars = smol
+    schema = {"type": "object", "properties": {"format": {"type": "string", "format": "path"}, "when": {"type": "string", "format": "date"}},
+              "required": ["format", "when"], "additionalProperties": False}
+    constraint = grammars.constraint(grammars.json_schema(schema))  # refused before: "Unknown format: path"
+    for token in _ids(tokenizer, '{"format":"a/b","when":"'):
+        assert constraint.allows(token)
+        constraint.advance(token)
+    assert not constraint.allows(_ids(tokenizer, "x")[0])  # the date format still holds

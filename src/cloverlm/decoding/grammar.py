@@ -33,6 +33,10 @@ _BITS = torch.arange(32, dtype=torch.int32)
 # looked for up to MAX_ENDING tokens (deeper ones are not closed early). A short ending prefers these
 # token texts: closers, then a comma (a required key comes forced after it), then the shortest values.
 RECHECK, WATCH, TIGHT, MAX_ENDING, CHECK_AT_MOST = 8, 24, 2, 128, 16
+# The string formats llguidance enforces. A format is an annotation in JSON Schema 2020-12 (validators do
+# not assert it by default), so any other format is dropped before compiling rather than refused (seen:
+# "path" and "partial-date" in real-world schemas).
+FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid", "unknown"})
 _ENDING_TEXTS = [b'"}]', b'"]}', b'"}}', b'"]]', b'"}', b'"]', b'}]', b']}', b'}}', b']]', b'}', b']', b'"',
                  b",", b"0", b"[]", b"{}", b"null", b"true", b"false", b'""']
 
@@ -92,6 +96,7 @@ class Grammars:
             raise GrammarError(f"invalid JSON schema: {error.message}") from None
         except RecursionError:
             raise GrammarError("invalid JSON schema: nested too deeply") from None
+        schema = _known_formats(schema)
         if is_grounded(schema):
             if prompt is None:
                 raise GrammarError("a schema with x-grounded fields needs the prompt its values come from")
@@ -161,6 +166,16 @@ class Grammars:
                 state.feed(token)
             out += run
         return out if len(out) <= limit else None
+
+
+def _known_formats(node: Any) -> Any:
+    """`node` without the string formats llguidance does not know (FORMATS)."""
+    if isinstance(node, dict):
+        return {key: _known_formats(value) for key, value in node.items()
+                if not (key == "format" and isinstance(value, str) and value not in FORMATS)}
+    if isinstance(node, list):
+        return [_known_formats(value) for value in node]
+    return node
 
 
 def _refusal(error: str) -> str:
