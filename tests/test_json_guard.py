@@ -10,7 +10,7 @@ import torch
 
 from cloverlm.convert.load import load_folder_tokenizer
 from cloverlm.decoding.grammar import Grammars
-from cloverlm.decoding.json_guard import LOOP_SPAN, MAX_NUMBER_DIGITS
+from cloverlm.decoding.json_guard import LOOP_REPEATS, LOOP_SPAN, MAX_NUMBER_DIGITS
 from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.decoding.row import DecodeRow
 from cloverlm.decoding.unmask import unmask
@@ -151,3 +151,22 @@ def test_formats_llguidance_does_not_know_are_dropped_as_annotations(smol):
         assert constraint.allows(token)
         constraint.advance(token)
     assert not constraint.allows(_ids(tokenizer, "x")[0])  # the date format still holds
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_list_repeating_its_items_is_closed(smol, block_size):
+    """Seen on a real schema: "beneficiary_country","beneficiary_country",… where one token (`","`) closes
+    an item and opens the next, so the list is never seen between items."""
+    tokenizer, grammars = smol
+    logits = _ranking(tokenizer, ["country", '","', '"]'])
+    schema = {"type": "object", "properties": {"columns": {"type": "array", "items": {"type": "string"}}}, "required": ["columns"],
+              "additionalProperties": False}
+    constraint = grammars.constraint(grammars.json_schema(schema))
+    prefix = '{"columns":["'
+    for token in _ids(tokenizer, prefix):
+        constraint.advance(token)
+    row = _decode(tokenizer, constraint, logits, block_size, max_new_tokens=256)
+    columns = json.loads(prefix + tokenizer.decode(row.generated))["columns"]
+    # each item is a looping string (LOOP_SPAN times "country"), closed by `","`; LOOP_REPEATS such items
+    # are a loop of the list (period LOOP_SPAN + 1 tokens), which closes after the item then opened
+    assert row.finish_reason == "stop" and columns == ["country" * LOOP_SPAN] * (LOOP_REPEATS + 1)

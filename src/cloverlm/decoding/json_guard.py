@@ -56,6 +56,9 @@ class VocabTable:
         self.starts_number = torch.tensor(starts_number)
         self.starts_quote = torch.tensor([data[:1] == b'"' for data in token_bytes[:vocab_size]] + [False] * (vocab_size - len(token_bytes)))
         self.starts_comma = torch.tensor([data[:1] == b"," for data in token_bytes[:vocab_size]] + [False] * (vocab_size - len(token_bytes)))
+        # tokens that close a string and go on to the next element (`","` is one token in SmolLM2's vocabulary)
+        self.closes_then_comma = torch.tensor([data.lstrip(b'"')[:1] == b"," and data[:1] == b'"' for data in token_bytes[:vocab_size]]
+                                              + [False] * (vocab_size - len(token_bytes)))
         self.lead_digits = torch.tensor(lead_digits)
         self.length = torch.tensor([len(data) for data in token_bytes[:vocab_size]] + [0] * (vocab_size - len(token_bytes)))
 
@@ -80,6 +83,7 @@ class JsonState:
         self.key = bytearray()
         self.digits = 0  # digits of the number being written (0 outside numbers)
         self.history: list[int] = []  # committed tokens, for the loop rule
+        self.between_items = False
         self.string_start = 0  # the first token inside the open string
         self.string_looped = False
         self.loop_tokens: list[int] = []  # the period of the open string's loop
@@ -95,6 +99,7 @@ class JsonState:
 
     def feed(self, token: int) -> None:
         self.history.append(token)
+        self.between_items = False  # whether a byte of this token stood between a list's items
         for byte in self.table.token_bytes[token]:
             self._byte(byte)
         if self.in_string and not self.is_key:
@@ -102,7 +107,7 @@ class JsonState:
             if period:
                 self.string_looped = True
                 self.loop_tokens = sorted(set(self.loop_tokens) | set(self.history[-period:]))
-        elif self.stack and self.stack[-1].kind == 0x5B and not self.in_string:
+        if self.between_items and self.stack and self.stack[-1].kind == 0x5B:  # `","` is one token: check it too
             frame = self.stack[-1]
             frame.looped = frame.looped or bool(_period(self.history[frame.start:]))
 
@@ -120,11 +125,12 @@ class JsonState:
             if self.is_key:
                 self.key.append(byte)
             return
+        top = self.stack[-1] if self.stack else None
+        self.between_items = self.between_items or (top is not None and top.kind == 0x5B)
         if byte in _NUMBER:
             self.digits += byte in _DIGITS
             return
         self.digits = 0
-        top = self.stack[-1] if self.stack else None
         if byte == 0x22:
             self.in_string = True
             self.is_key = top is not None and top.kind == 0x7B and top.expect_key
@@ -136,6 +142,9 @@ class JsonState:
             self.stack.pop()
         elif top is not None and top.kind == 0x7B and byte in (0x3A, 0x2C):  # ':' then a value, ',' then a key
             top.expect_key = byte == 0x2C
+
+    def _in_looped_array(self) -> bool:
+        return bool(self.stack) and self.stack[-1].kind == 0x5B and self.stack[-1].looped
 
     def loop_fallback(self) -> torch.Tensor | None:
         """Where `forbidden` leaves a looping string nothing (its pattern cannot close yet): the loop's
@@ -151,7 +160,9 @@ class JsonState:
         table = self.table
         if self.in_string:
             if self.string_looped:
-                return ~table.starts_quote
+                return ~table.starts_quote | table.closes_then_comma if self._in_looped_array() else ~table.starts_quote
+            if self._in_looped_array():
+                return table.closes_then_comma
             if self.is_key and self.stack and self.stack[-1].keys:
                 keys, key = self.stack[-1].keys, bytes(self.key)
                 repeats = [token for token, head in table.key_ends if key + head in keys]
@@ -170,8 +181,12 @@ class JsonState:
         """`forbidden()[token]` without the whole vector (the engine's check of one choice)."""
         table = self.table
         if self.in_string:
+            if self.string_looped and not bool(table.starts_quote[token]):
+                return True
+            if self._in_looped_array() and bool(table.closes_then_comma[token]):
+                return True
             if self.string_looped:
-                return not bool(table.starts_quote[token])
+                return False
             if self.is_key and self.stack and self.stack[-1].keys:
                 data = table.token_bytes[token]
                 quote = data.find(b'"')
