@@ -42,7 +42,7 @@ class VocabTable:
     def __init__(self, token_bytes: list[bytes], vocab_size: int):
         self.vocab_size = vocab_size
         self.token_bytes = token_bytes
-        lead_digits, starts_number, self.key_ends = [0] * vocab_size, [False] * vocab_size, []
+        lead_digits, starts_number, self.key_ends, self.whole_keys = [0] * vocab_size, [False] * vocab_size, [], []
         for token, data in enumerate(token_bytes[:vocab_size]):
             run = 0
             while run < len(data) and data[run] in _NUMBER:
@@ -53,6 +53,8 @@ class VocabTable:
             quote = data.find(b'"')
             if quote >= 0 and b"\\" not in data[:quote]:
                 self.key_ends.append((token, data[:quote]))
+            if quote == 0 and b'"' in data[1:] and b"\\" not in data:  # a whole key in one token: `""`, `"id"`
+                self.whole_keys.append((token, data[1: data.index(b'"', 1)]))
         self.starts_number = torch.tensor(starts_number)
         self.starts_quote = torch.tensor([data[:1] == b'"' for data in token_bytes[:vocab_size]] + [False] * (vocab_size - len(token_bytes)))
         self.starts_comma = torch.tensor([data[:1] == b"," for data in token_bytes[:vocab_size]] + [False] * (vocab_size - len(token_bytes)))
@@ -175,7 +177,13 @@ class JsonState:
         out = table.starts_number & (table.lead_digits > room) if room > 0 else table.starts_number.clone()
         if self.stack and self.stack[-1].looped:
             out |= table.starts_comma
+        if self._at_key() and self.stack[-1].keys:
+            out[[token for token, key in table.whole_keys if key in self.stack[-1].keys]] = True
         return out
+
+    def _at_key(self) -> bool:
+        """Outside strings, where an object's next key starts."""
+        return bool(self.stack) and self.stack[-1].kind == 0x7B and self.stack[-1].expect_key
 
     def forbids(self, token: int) -> bool:
         """`forbidden()[token]` without the whole vector (the engine's check of one choice)."""
@@ -193,6 +201,9 @@ class JsonState:
                 return quote >= 0 and b"\\" not in data[:quote] and bytes(self.key) + data[:quote] in self.stack[-1].keys
             return False
         if bool(table.starts_number[token]) and int(table.lead_digits[token]) > MAX_NUMBER_DIGITS - self.digits:
+            return True
+        data = table.token_bytes[token]
+        if self._at_key() and data[:1] == b'"' and b'"' in data[1:] and data[1: data.index(b'"', 1)] in self.stack[-1].keys:
             return True
         return bool(self.stack and self.stack[-1].looped and table.starts_comma[token])
 
