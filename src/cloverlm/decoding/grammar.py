@@ -21,7 +21,7 @@ import llguidance.torch
 import torch
 from jsonschema import Draft202012Validator, SchemaError
 
-from cloverlm.decoding.grounding import GroundingError, ground, is_grounded
+from cloverlm.decoding.grounding import GroundingError, ground, is_grounded, without_keys
 from cloverlm.decoding.json_guard import JsonState, VocabTable
 from cloverlm.errors import CloverError
 from cloverlm.tokenizer import MASK_TOKEN, PAD_TOKEN, TOOL_CALL_END, TOOL_CALL_START
@@ -170,14 +170,9 @@ class Grammars:
         return out if len(out) <= limit else None
 
 
-def _known_formats(node: Any) -> Any:
-    """`node` without the string formats llguidance does not know (FORMATS)."""
-    if isinstance(node, dict):
-        return {key: _known_formats(value) for key, value in node.items()
-                if not (key == "format" and isinstance(value, str) and value not in FORMATS)}
-    if isinstance(node, list):
-        return [_known_formats(value) for value in node]
-    return node
+def _known_formats(schema: Any) -> Any:
+    """`schema` without the string formats llguidance does not know (FORMATS)."""
+    return without_keys(schema, lambda key, value: key == "format" and isinstance(value, str) and value not in FORMATS)
 
 
 def _refusal(error: str) -> str:
@@ -265,6 +260,8 @@ class GrammarConstraint:
         if self.budget is None:
             return None
         left = self.budget - self.used
+        if left > MAX_ENDING + WATCH:  # no ending found (at most MAX_ENDING tokens) could be near yet
+            return None
         near = self._ending is not None and left <= len(self._ending) + WATCH
         if (near or self.used - self._ending_at >= RECHECK) and self._ending_at != self.used:
             self._ending = self.grammars.ending(self.matcher, self.state, min(left, MAX_ENDING))

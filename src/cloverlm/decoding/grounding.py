@@ -70,13 +70,18 @@ def is_grounded(schema: Any) -> bool:
     return False
 
 
+def without_keys(node: Any, drop) -> Any:
+    """A copy of the schema `node` without the (key, value) pairs of its objects where `drop(key, value)`."""
+    if isinstance(node, dict):
+        return {key: without_keys(value, drop) for key, value in node.items() if not drop(key, value)}
+    if isinstance(node, list):
+        return [without_keys(value, drop) for value in node]
+    return node
+
+
 def without_grounding(schema: Any) -> Any:
     """A copy of `schema` without the keyword: the plain schema, for comparison."""
-    if isinstance(schema, dict):
-        return {key: without_grounding(value) for key, value in schema.items() if key != KEYWORD}
-    if isinstance(schema, list):
-        return [without_grounding(value) for value in schema]
-    return schema
+    return without_keys(schema, lambda key, _: key == KEYWORD)
 
 
 def ground(schema: dict, prompt: str) -> dict:

@@ -64,6 +64,8 @@ def calibration_prompts(tokenizer, count: int, seed_base: int, max_new_tokens: i
     grammar count."""
     names, out, seed = tasks.SUITE, [], seed_base
     while len(out) < count:
+        if seed - seed_base > 100 * count:
+            raise CloverError(f"no task of the suite has answers under {modes}")
         example = tasks.generate(names[seed % len(names)], seed)
         mode = modes[len(out) % len(modes)]
         grammar = None if mode == "free" else answer_grammar(grammars, tasks.get_task(example.task), example, mode)
@@ -73,8 +75,6 @@ def calibration_prompts(tokenizer, count: int, seed_base: int, max_new_tokens: i
         encoded = encode_example(tokenizer, example)
         budget = min(max_new_tokens, len(encoded.ids) - encoded.prompt_length + 8)
         out.append((encoded.ids[: encoded.prompt_length], budget, example, grammar))
-        if seed - seed_base > 100 * count:
-            raise CloverError(f"no task of the suite has answers under {modes}")
     return out
 
 
