@@ -170,3 +170,20 @@ def test_a_list_repeating_its_items_is_closed(smol, block_size):
     # each item is a looping string (LOOP_SPAN times "country"), closed by `","`; LOOP_REPEATS such items
     # are a loop of the list (period LOOP_SPAN + 1 tokens), which closes after the item then opened
     assert row.finish_reason == "stop" and columns == ["country" * LOOP_SPAN] * (LOOP_REPEATS + 1)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_list_item_is_not_opened_where_it_cannot_close(smol, block_size):
+    """Seen on the bench's grounded no_fly answers: with 2 tokens to close, 29 left, the model wrote `"},`
+    and opened one more zone, whose ending (84 tokens) no longer fit. An item here is ~40 forced tokens;
+    the model always prefers another one."""
+    tokenizer, grammars = smol
+    item = {"type": "object", "properties": {key: {"enum": ["value"]} for key in ("alpha", "bravo", "charlie", "delta", "echo",
+                                                                                    "foxtrot", "golf", "hotel")},
+            "required": ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"], "additionalProperties": False}
+    schema = {"type": "array", "items": item}
+    logits = _ranking(tokenizer, [",", "{", "]"])
+    for budget in (150, 200, 230):
+        row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, block_size, max_new_tokens=budget)
+        items = json.loads(tokenizer.decode(row.generated))
+        assert row.finish_reason == "stop" and len(items) >= 2, (budget, len(items))

@@ -217,10 +217,17 @@ class GrammarConstraint:
         """The grammar's mask; once the budget comes within WATCH tokens of a short ending, only tokens
         after which such an ending fits: the ending's next token, and those of a small mask that fit.
         `allows` accepts any token that fits, so the engine's greedy choice keeps its own way to close
-        where it has room (it asks `allows` first)."""
+        where it has room (it asks `allows` first). Before the watch, near the budget, a few openers that
+        would leave no room are taken out (`_checks_openers`)."""
         mask = self.grammars.mask(self.matcher, self.state)
         ending = self._near_ending()
         if ending is None:
+            if self._checks_openers():
+                openers = (mask & self.grammars.table.opens).nonzero()[:, 0].tolist()
+                if len(openers) <= CHECK_AT_MOST:
+                    fitting = mask.clone()
+                    fitting[[token for token in openers if not self._fits_after(token)]] = False
+                    return fitting if bool(fitting.any()) else mask
             return mask
         near = torch.zeros_like(mask)
         near[ending[0]] = True
@@ -242,10 +249,13 @@ class GrammarConstraint:
             self.refused["guard"] += 1
             return False
         ending = self._near_ending()
-        if ending is None or token == ending[0] or self._fits_after(token):
-            return True
-        self.refused["budget"] += 1
-        return False
+        if ending is None:
+            fits = not (self._checks_openers() and bool(self.grammars.table.opens[token])) or self._fits_after(token)
+        else:
+            fits = token == ending[0] or self._fits_after(token)
+        if not fits:
+            self.refused["budget"] += 1
+        return fits
 
     def advance(self, token: int) -> None:
         self.matcher.consume_token(token)
@@ -269,6 +279,13 @@ class GrammarConstraint:
         if self._ending is None or left > len(self._ending) + WATCH or not self._ending:
             return None
         return self._ending
+
+    def _checks_openers(self) -> bool:
+        """Whether a token that opens an element must show that an ending still fits after it: once the
+        budget is within MAX_ENDING + WATCH. The watch is measured from the current short ending, which
+        an opener can outgrow at once (a no_fly zone opened 29 tokens before the budget, with 2 to close
+        and 84 after the comma, ran to the limit)."""
+        return self.budget is not None and self.budget - self.used <= MAX_ENDING + WATCH
 
     def _fits_after(self, token: int) -> bool:
         """Whether a short ending still fits in the budget after `token`."""

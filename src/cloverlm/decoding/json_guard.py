@@ -56,13 +56,20 @@ class VocabTable:
             if quote == 0 and b'"' in data[1:] and b"\\" not in data:  # a whole key in one token: `""`, `"id"`
                 self.whole_keys.append((token, data[1: data.index(b'"', 1)]))
         self.starts_number = torch.tensor(starts_number)
-        self.starts_quote = torch.tensor([data[:1] == b'"' for data in token_bytes[:vocab_size]] + [False] * (vocab_size - len(token_bytes)))
-        self.starts_comma = torch.tensor([data[:1] == b"," for data in token_bytes[:vocab_size]] + [False] * (vocab_size - len(token_bytes)))
+        self.starts_quote = self._flags(lambda data: data[:1] == b'"')
+        self.starts_comma = self._flags(lambda data: data[:1] == b",")
         # tokens that close a string and go on to the next element (`","` is one token in SmolLM2's vocabulary)
-        self.closes_then_comma = torch.tensor([data.lstrip(b'"')[:1] == b"," and data[:1] == b'"' for data in token_bytes[:vocab_size]]
-                                              + [False] * (vocab_size - len(token_bytes)))
+        self.closes_then_comma = self._flags(lambda data: data[:1] == b'"' and data.lstrip(b'"')[:1] == b",")
+        # tokens that may open an element (one more list item or key, a new container): the only ones after
+        # which the shortest ending can grow by more than a few tokens (decoding/grammar.py's budget)
+        self.opens = self._flags(lambda data: any(byte in b",{[" for byte in data))
         self.lead_digits = torch.tensor(lead_digits)
         self.length = torch.tensor([len(data) for data in token_bytes[:vocab_size]] + [0] * (vocab_size - len(token_bytes)))
+
+    def _flags(self, test) -> torch.Tensor:
+        """Bool [vocab_size]: `test` of each token's bytes (False for ids the tokenizer does not have)."""
+        flags = [test(data) for data in self.token_bytes[: self.vocab_size]]
+        return torch.tensor(flags + [False] * (self.vocab_size - len(flags)))
 
 
 @dataclass
