@@ -3,6 +3,7 @@ written twice, no looping run, and an ending within the budget, at one token a s
 The "model" is a fixed ranking of tokens that walks into each run (`_decode`): no weights involved."""
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -187,3 +188,17 @@ def test_a_list_item_is_not_opened_where_it_cannot_close(smol, block_size):
         row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, block_size, max_new_tokens=budget)
         items = json.loads(tokenizer.decode(row.generated))
         assert row.finish_reason == "stop" and len(items) >= 2, (budget, len(items))
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("pattern", [r"^.*\.md$", r"\d{3}-[A-Z]{2}"])
+def test_a_string_under_a_pattern_is_closed_by_a_short_match(smol, block_size, pattern):
+    """Seen in the real-schema sweep: a `.md` path ran `pulumipulumi…` and a part number (unanchored
+    `\\d{3}-[A-Z]{2}`) ran on to the limit: the quote was never allowed, and no ending was found."""
+    tokenizer, grammars = smol
+    logits = _ranking(tokenizer, ["hello", "world"])
+    schema = {"type": "object", "properties": {"path": {"type": "string", "pattern": pattern}}, "required": ["path"],
+              "additionalProperties": False}
+    row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, block_size, max_new_tokens=64)
+    path = json.loads(tokenizer.decode(row.generated))["path"]
+    assert row.finish_reason == "stop" and re.search(pattern, path) and "hello" in path, path

@@ -23,6 +23,7 @@ from jsonschema import Draft202012Validator, SchemaError
 
 from cloverlm.decoding.grounding import GroundingError, ground, is_grounded, without_keys
 from cloverlm.decoding.json_guard import JsonState, VocabTable
+from cloverlm.decoding.patterns import string_tails
 from cloverlm.errors import CloverError
 from cloverlm.tokenizer import MASK_TOKEN, PAD_TOKEN, TOOL_CALL_END, TOOL_CALL_START
 
@@ -130,7 +131,7 @@ class Grammars:
             raise GrammarError(f"cannot compile the grammar: {error}") from None
         if matcher.is_error():
             raise GrammarError(_refusal(matcher.get_error()))
-        return GrammarConstraint(matcher, self, JsonState(self.table))
+        return GrammarConstraint(matcher, self, JsonState(self.table), string_tails(grammar, self.lltokenizer.tokenize_str))
 
     def mask(self, matcher: llguidance.LLMatcher, state: JsonState) -> torch.Tensor:
         """Bool [vocab] of the tokens the grammar and the rules of `json_guard` allow next (the grammar's
@@ -150,9 +151,11 @@ class Grammars:
                 break
         return mask if bool(mask.any()) else self.end_mask
 
-    def ending(self, matcher: llguidance.LLMatcher, state: JsonState, limit: int) -> list[int] | None:
+    def ending(self, matcher: llguidance.LLMatcher, state: JsonState, limit: int, tails: Sequence[list[int]] = ()) -> list[int] | None:
         """A short sequence of tokens after which the grammar accepts (forced runs, then closers, commas
-        and the shortest values, else the longest token allowed); None if none is found within `limit`."""
+        and the shortest values; in a string that cannot close yet, the first of `tails` (a pattern's
+        shortest endings, decoding/patterns.py) the grammar takes; else the longest token allowed); None
+        if none is found within `limit`."""
         matcher, state, out = matcher.deep_copy(), state.copy(), []
         while not matcher.is_accepting():
             if len(out) >= limit or matcher.is_stopped():
@@ -161,6 +164,8 @@ class Grammars:
             if not run:
                 mask = self.mask(matcher, state)
                 run = [next((t for t in self.ending_order[state.in_string] if mask[t]), None)]
+                if run[0] is None and state.in_string:
+                    run = next((tail for tail in tails if matcher.validate_tokens(tail) == len(tail)), run)
                 if run[0] is None:
                     run = [int((self.table.length * mask).argmax())]
             for token in run:
@@ -191,10 +196,11 @@ def _refusal(error: str) -> str:
 class GrammarConstraint:
     """One request's grammar state (the engine's `Constraint`)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars, state: JsonState):
+    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars, state: JsonState, tails: list[list[int]]):
         self.matcher = matcher
         self.grammars = grammars
         self.state = state
+        self.tails = tails  # how a string under one of the schema's patterns may end (decoding/patterns.py)
         self.budget: int | None = None
         self.used = 0
         self.refused = {"guard": 0, "budget": 0}  # model choices the grammar allowed but these rules did not
@@ -203,7 +209,7 @@ class GrammarConstraint:
 
     def copy(self) -> GrammarConstraint:
         """The same grammar in its current state, for another choice of the same request (n > 1)."""
-        other = GrammarConstraint(self.matcher.deep_copy(), self.grammars, self.state.copy())
+        other = GrammarConstraint(self.matcher.deep_copy(), self.grammars, self.state.copy(), self.tails)
         other.budget, other.used = self.budget, self.used
         return other
 
@@ -274,7 +280,7 @@ class GrammarConstraint:
             return None
         near = self._ending is not None and left <= len(self._ending) + WATCH
         if (near or self.used - self._ending_at >= RECHECK) and self._ending_at != self.used:
-            self._ending = self.grammars.ending(self.matcher, self.state, min(left, MAX_ENDING))
+            self._ending = self.grammars.ending(self.matcher, self.state, min(left, MAX_ENDING), self.tails)
             self._ending_at = self.used
         if self._ending is None or left > len(self._ending) + WATCH or not self._ending:
             return None
@@ -293,4 +299,4 @@ class GrammarConstraint:
         if matcher.consume_token(token) is False:
             return False
         state.feed(token)
-        return self.grammars.ending(matcher, state, self.budget - self.used - 1) is not None
+        return self.grammars.ending(matcher, state, self.budget - self.used - 1, self.tails) is not None
