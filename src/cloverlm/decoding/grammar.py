@@ -161,13 +161,13 @@ class Grammars:
             if len(out) >= limit or matcher.is_stopped():
                 return None
             run = matcher.compute_ff_tokens()
-            if not run:
-                mask = self.mask(matcher, state)
-                run = [next((t for t in self.ending_order[state.in_string] if mask[t]), None)]
+            if not run:  # token checks, not a mask: a mask of the whole vocabulary costs ~100x one check
+                order = self.ending_order[state.in_string]
+                run = [next((t for t in order if matcher.validate_tokens([t]) == 1 and not state.forbids(t)), None)]
                 if run[0] is None and state.in_string:
                     run = next((tail for tail in tails if matcher.validate_tokens(tail) == len(tail)), run)
                 if run[0] is None:
-                    run = [int((self.table.length * mask).argmax())]
+                    run = [int((self.table.length * self.mask(matcher, state)).argmax())]
             for token in run:
                 matcher.consume_token(token)
                 state.feed(token)
