@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="a pretrained autoregressive base as a Clover model folder")
     p.add_argument("--base", default=DEFAULT_BASE, help=f"a packaged base ({', '.join(BASES)}), a Llama folder or a Qwen3.5-MoE folder")
     p.add_argument("--out", required=True)
+    p.add_argument("--graft", choices=("memory",), help="memory: replace attention layers by memory layers started from them (convert/graft.py)")
+    p.add_argument("--source", help="--graft: the Clover folder to graft (weights or adapter; default: --base, converted)")
+    p.add_argument("--memory-layers", help="--graft: comma-separated layer indices (default: all but every fourth)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("calibrate", help="fit the block-size head (block_size='auto') on held-out prompts")

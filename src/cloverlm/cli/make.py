@@ -162,6 +162,10 @@ def cmd_convert(args) -> None:
     from cloverlm.convert.qwen import convert_qwen, is_qwen_folder
     from cloverlm.model.checkpoint import save_model
 
+    if args.graft:
+        return _graft(args)
+    if args.source or args.memory_layers:
+        raise CloverError("--source and --memory-layers go with --graft memory")
     if is_qwen_folder(args.base):  # a Qwen3.5-MoE folder has its own converter (convert/qwen.py)
         convert_qwen(args.base, args.out)
         print(f"{args.base} (Qwen3.5-MoE) converted into {args.out}")
@@ -169,3 +173,27 @@ def cmd_convert(args) -> None:
     model, tokenizer = converted(args.base)
     save_model(model, tokenizer, Path(args.out))
     print(f"{args.base} converted: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters in {args.out}")
+
+
+def _graft(args) -> None:
+    """--graft memory: a Clover folder (or --base, converted) with memory layers in place of attention layers."""
+    from cloverlm.convert.base import converted
+    from cloverlm.convert.graft import calibration_ids, default_memory_layers, graft_memory
+    from cloverlm.convert.load import load_folder_tokenizer, load_model
+    from cloverlm.model.checkpoint import save_model
+
+    if args.source:
+        model, tokenizer = load_model(Path(args.source)), load_folder_tokenizer(Path(args.source))
+    else:
+        model, tokenizer = converted(args.base)
+    layers = default_memory_layers(model.config.num_hidden_layers)
+    if args.memory_layers is not None:
+        try:
+            layers = [int(i) for i in args.memory_layers.split(",") if i.strip()]
+        except ValueError:
+            raise CloverError(f"--memory-layers expects comma-separated integers, got '{args.memory_layers}'") from None
+    graft = graft_memory(model, layers, calibration=calibration_ids(tokenizer))
+    save_model(graft, tokenizer, Path(args.out))
+    kept = [i for i in range(model.config.num_hidden_layers) if i not in layers]
+    print(f"{args.source or args.base} grafted: {len(layers)} memory layers, attention kept at {kept}, "
+          f"{sum(p.numel() for p in graft.parameters()) / 1e6:.1f}M parameters in {args.out}")  # fmt: skip
