@@ -11,17 +11,8 @@ MINUTES=${1:?usage: scripts/train_campaign.sh MINUTES [clover campaign options]}
 shift
 OUT=runs/campaign
 mkdir -p "$OUT"
-if [ -f "$OUT/pid" ] && kill -0 "$(cat "$OUT/pid")" 2>/dev/null; then
-  echo "a campaign is already running (pid $(cat "$OUT/pid")); one training at a time" >&2
-  exit 1
-fi
+source scripts/background.sh
+refuse_if_training
 make -s venv
-CMD=(.venv/bin/clover campaign --minutes "$MINUTES" --out "$OUT" --threads "$(nproc)" "$@")
-export HF_HUB_OFFLINE=1
-if [ -n "${FOREGROUND:-}" ]; then
-  "${CMD[@]}" 2>&1 | tee -a "$OUT/campaign.out"
-  exit "${PIPESTATUS[0]}"
-fi
-nohup "${CMD[@]}" >> "$OUT/campaign.out" 2>&1 &
-echo $! > "$OUT/pid"
-echo "campaign started (pid $!): tail -f $OUT/campaign.out; $OUT/smollm2-clover/train_log.jsonl has a line a step"
+launch "$OUT" "$OUT/campaign.out" campaign .venv/bin/clover campaign --minutes "$MINUTES" --out "$OUT" --threads "$(nproc)" "$@"
+echo "$OUT/smollm2-clover/train_log.jsonl has a line a step"

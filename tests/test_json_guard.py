@@ -70,7 +70,7 @@ def test_a_number_cannot_continue_past_the_digit_cap(smol):
     assert not constraint.allows(zero[0]) and constraint.allows(comma[0])
     allowed = constraint.allowed()
     texts = [tokenizer.decode([t]) for t in allowed.nonzero()[:, 0].tolist()]
-    assert texts and all(not text[0] in "0123456789.eE+-" for text in texts)
+    assert texts and all(text[0] not in "0123456789.eE+-" for text in texts)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

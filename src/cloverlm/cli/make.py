@@ -66,6 +66,8 @@ def cmd_tokenizer(args) -> None:
 def cmd_train(args) -> None:
     if args.recipe in ("convert", "distill"):
         return _train_convert(args)
+    if args.recipe == "graft-stage1":
+        return _train_graft_stage1(args)
     from cloverlm.training.scratch.recipe import TrainConfig
     from cloverlm.training.scratch.train import Trainer
 
@@ -124,6 +126,27 @@ def _train_convert(args) -> None:
     else:
         cfg = ConvertConfig(out=args.out, **fields)
     print(json.dumps(ConvertTrainer(cfg, resume=args.resume).run()))
+
+
+def _train_graft_stage1(args) -> None:
+    """--recipe graft-stage1: the grafted memory layers of --student fitted, layer by layer, to --teacher's
+    attention (training/graft_stage1.py)."""
+    import torch
+
+    from cloverlm.training.graft_stage1 import GraftStage1, Stage1Config
+
+    if not args.teacher or not args.student:
+        raise CloverError("--recipe graft-stage1 needs --teacher DIR and --student DIR (clover convert --graft memory)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fields = {"teacher": args.teacher, "student": args.student, "out": args.out, "seed": args.seed}
+    for name in ("max_steps", "minutes", "seq_len", "rows_per_step", "lr", "warmup_steps", "checkpoint_every", "device"):
+        value = getattr(args, name)
+        if value is not None:
+            fields[name] = value
+    if args.fp32:
+        fields["bf16"] = False
+    print(json.dumps(GraftStage1(Stage1Config(**fields), resume=args.resume).run()))
 
 
 def _distill_trajectories(args, fields):

@@ -81,7 +81,7 @@ def _repeat_heads(weight: torch.Tensor, kv_heads: int, heads: int) -> torch.Tens
 
 
 @torch.no_grad()
-def _teacher_layers(model: CloverForBlockDiffusion, layers: Sequence[int], ids: torch.Tensor) -> dict[int, tuple]:
+def teacher_layers(model: CloverForBlockDiffusion, layers: Sequence[int], ids: torch.Tensor) -> dict[int, tuple]:
     """Each chosen layer's attention input (the normed hidden states) and output, [B, L, hidden] each, from
     one clean pass at block size 1: the base's causal forward (docs/design.md invariant 7)."""
     captured: dict[int, dict] = {i: {} for i in layers}
@@ -179,7 +179,7 @@ def graft_memory(
         mixer = _mixer_from_attention(model.model.layers[i].self_attn, config, weight)
         state.update({f"model.layers.{i}.linear_attn.{k}": v for k, v in mixer.state_dict().items()})
     graft = clover_from_state(config, state, "the graft")
-    teacher = _teacher_layers(model, layers, calibration) if calibration is not None else {}
+    teacher = teacher_layers(model, layers, calibration) if calibration is not None else {}
     for i in layers:
         mixer = graft.model.layers[i].linear_attn
         # The model's own initialisation of a memory layer: decays log-spaced over memory_decay_range

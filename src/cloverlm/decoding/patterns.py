@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import re
-from re import _parser as sre  # the stdlib's parser of `re` patterns (its node names are public constants there)
+from re import (
+    _parser as sre,  # the stdlib's parser of `re` patterns (its node names are public constants there)
+)
 from typing import Any
 
 # characters tried, in order, for a character class or a negated literal

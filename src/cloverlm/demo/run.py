@@ -30,6 +30,7 @@ from cloverlm import tasks
 from cloverlm.convert.load import has_tokenizer, load_folder_tokenizer, load_model
 from cloverlm.convert.peer import is_peer_folder, load_peer, peer_generate, peer_generate_constrained
 from cloverlm.decoding.engine import Engine
+from cloverlm.decoding.grounding import DEFAULT_ANSWERS, schema_for
 from cloverlm.decoding.params import DecodeParams, Request, drafts_supported
 from cloverlm.demo.messages import (
     PROMPT_TOKEN_LIMIT,
@@ -43,7 +44,6 @@ from cloverlm.demo.messages import (
 from cloverlm.demo.plots import render_denoising_strip, render_zone_map
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import inference_dtype
-from cloverlm.decoding.grounding import DEFAULT_ANSWERS, schema_for
 from cloverlm.tasks.no_fly_zones import FIELDS, INSTRUCTION, parse_zones, zones_schema
 from cloverlm.tokenizer import stop_token_ids
 
