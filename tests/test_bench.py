@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import statistics
 import struct
 import sys
@@ -10,19 +11,22 @@ import pytest
 import torch
 
 from cloverlm import CloverError, preset_config, tasks
-from cloverlm.bench.context import MEMORY_PRESET, bench_context, random_memory_model
+from cloverlm.bench import context as context_module
+from cloverlm.bench.context import MEMORY_PRESET, _medians_ms, bench_context, random_memory_model
 from cloverlm.bench.llama_cpp import load_llama_cpp
-from cloverlm.bench.options import BenchModels, BenchOptions, accuracy, parse_context
+from cloverlm.bench.options import BenchModels, BenchOptions, accuracy, load_models, parse_context
 from cloverlm.bench.report import write_report
 from cloverlm.bench.run import run_bench
 from cloverlm.bench.sweeps import bench_block_sizes
 from cloverlm.bench.tasks import spread_prompts
 from cloverlm.cli import main
+from cloverlm.convert.graft import default_memory_layers, graft_memory
 from cloverlm.convert.peer import build_peer, peer_config, save_peer
 from cloverlm.decoding.calibration import Calibration
 from cloverlm.decoding.params import DecodeParams
 from cloverlm.evaluation.heldout import heldout_examples
 from cloverlm.model.checkpoint import save_model
+from cloverlm.model.config import ATTENTION, MEMORY
 from cloverlm.tokenizer import train_tokenizer
 from conftest import TINY, tiny_model
 
@@ -33,7 +37,8 @@ PEER_FIELDS = {"accuracy", "wall_s_median", "tokens_per_s"}
 SWEEP_FIELDS = {"block_size", "threshold", "tpf", "tokens_per_s", "accuracy", "answers"}
 SCHEMA_FIELDS = {"parsed", "schema_valid", "truncated", "zone_exact", "tokens", "forwards", "tpf", "forced_share", "wall_s_median", "ms_per_forward", "grammar_ms_per_forward", "refused"}
 RATIO_ROUNDING = 5e-4  # speedups are rounded to 3 decimals (bench.options.ratio): 0.024 for 0.02364
-CONTEXT_FIELDS = {"context", "clover_block_ms", "memory_only_block_ms", "block_tokens", "peer_token_ms", "speedup"}
+CONTEXT_FIELDS = {"context", "clover_block_ms", "memory_only_block_ms", "hybrid_block_ms", "hybrid_vs_clover", "block_tokens", "peer_token_ms", "speedup",
+                  "clover_cache_bytes", "memory_only_cache_bytes", "hybrid_cache_bytes", "peer_cache_bytes"}
 # short answers keep a run of the bench on tiny models to a few seconds
 OPTIONS = BenchOptions(
     tasks=("arithmetic", "kv_retrieval"),
@@ -70,6 +75,17 @@ def tiny_peer():
     return model
 
 
+def tiny_all_attention(vocab_size: int = VOCAB):
+    """A tiny Clover of four block-causal attention layers shaped as a converted Llama's (no q/k norm, no
+    output gate): what the graft starts from."""
+    return tiny_model(vocab_size=vocab_size, layer_types=[ATTENTION] * 4, attention_qk_norm=False, attention_output_gate=False)
+
+
+def tiny_hybrid(source):
+    """The graft of `source`: memory in layers 0-2, attention kept in layer 3."""
+    return graft_memory(source, default_memory_layers(source.config.num_hidden_layers))
+
+
 @pytest.fixture(scope="module")
 def models(tokenizer):
     torch.set_num_threads(1)
@@ -78,7 +94,8 @@ def models(tokenizer):
         memory_only=tiny_model("clover-tiny-memory", vocab_size=VOCAB),
         peer=tiny_peer(),
         tokenizer=tokenizer,
-        folders={"clover": "tiny", "memory_only": "tiny-memory", "peer": "tiny-peer"},
+        folders={"clover": "tiny", "memory_only": "tiny-memory", "peer": "tiny-peer", "hybrid": "tiny-hybrid"},
+        hybrid=tiny_hybrid(tiny_all_attention()),
     )
 
 
@@ -173,6 +190,9 @@ def test_report_has_exactly_the_documented_fields_and_consistent_values(report):
         assert min(tpfs) - 1e-3 <= row["block_tokens"] <= max(tpfs) + 1e-3
         expected = row["peer_token_ms"] * row["block_tokens"] / row["clover_block_ms"]
         assert row["speedup"] == pytest.approx(expected, rel=1e-2, abs=RATIO_ROUNDING)
+        assert row["hybrid_block_ms"] > 0
+        assert row["hybrid_vs_clover"] == pytest.approx(row["hybrid_block_ms"] / row["clover_block_ms"], rel=1e-2, abs=RATIO_ROUNDING)
+        assert all(row[f"{name}_cache_bytes"] > 0 for name in ("clover", "memory_only", "hybrid", "peer"))
 
     assert [(row["block_size"], row["threshold"]) for row in report["block_sizes"]] == [(4, 0.6), (16, 0.6)]
     assert [(row["block_size"], row["threshold"]) for row in report["thresholds"]] == [(OPTIONS.block_size, 0.6), (OPTIONS.block_size, 0.95)]
@@ -218,6 +238,9 @@ def test_without_a_peer_its_fields_are_null(models, tmp_path):
     assert report["median_exec_s"]["peer"] is None and report["median_exec_s"]["clover"] > 0
     (row,) = report["context_scaling"]
     assert row["peer_token_ms"] is None and row["speedup"] is None and row["clover_block_ms"] > 0
+    assert row["peer_cache_bytes"] is None and row["clover_cache_bytes"] > 0
+    # no hybrid either: its fields are there, null
+    assert set(row) == CONTEXT_FIELDS and row["hybrid_block_ms"] is None and row["hybrid_vs_clover"] is None and row["hybrid_cache_bytes"] is None
     assert report["schema"]["peer_schema"] is None and report["schema"]["speedup"] is None
     for path in write_report(report, tmp_path / "bench.json")[1:]:
         assert png_size(path)[0] >= 600
@@ -230,8 +253,75 @@ def test_context_scaling_without_a_memory_model_times_a_seeded_random_one(models
     assert first.config.to_dict() == preset_config(MEMORY_PRESET).to_dict()
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True))
     options = dataclasses.replace(OPTIONS, contexts=(64,), timed_forwards=1)
-    (row,) = bench_context(dataclasses.replace(models, memory_only=None, peer=None), options, tpf=2.0)
+    (row,) = bench_context(dataclasses.replace(models, memory_only=None, peer=None, hybrid=None), options, tpf=2.0)
     assert row["memory_only_block_ms"] > 0 and row["clover_block_ms"] > 0 and row["peer_token_ms"] is None
+
+
+def kv_bytes_per_token(config) -> int:
+    """fp32 keys and values of one token in every attention layer of a Clover or peer config."""
+    return 2 * config.num_key_value_heads * config.head_dim * 4 * config.layer_types.count(ATTENTION)
+
+
+def memory_state_bytes(config) -> int:
+    """fp32 recurrent state [Hv, Dk, Dv] and conv tail [r, C] of every memory layer of a Clover config."""
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + config.linear_num_value_heads * config.linear_value_head_dim
+    return 4 * (state + config.conv_radius * channels) * config.layer_types.count(MEMORY)
+
+
+def test_context_scaling_times_a_hybrid_beside_its_all_attention_source(models, monkeypatch):
+    """--hybrid: the graft of an all-attention Clover, timed beside it; the attention layers' cache grows
+    with the context, the memory layers' not. Past the prefill limit (64 here) the context is committed
+    block by block into buffers that double when full (512 positions for 320 tokens): only the filled
+    positions count."""
+    monkeypatch.setattr(context_module, "PREFILL_LIMIT", 64)
+    source = tiny_all_attention()
+    contexts = (64, 128, 320)
+    options = dataclasses.replace(OPTIONS, contexts=contexts, timed_forwards=1)
+    rows = bench_context(dataclasses.replace(models, clover=source, hybrid=tiny_hybrid(source)), options, tpf=2.0)
+    assert [row["context"] for row in rows] == list(contexts)
+    hybrid_config, memory_config, peer = tiny_hybrid(source).config, models.memory_only.config, models.peer.config
+    assert hybrid_config.layer_types == [MEMORY] * 3 + [ATTENTION]
+    for row in rows:
+        assert set(row) == CONTEXT_FIELDS
+        context = row["context"]
+        assert row["hybrid_vs_clover"] == pytest.approx(row["hybrid_block_ms"] / row["clover_block_ms"], rel=1e-2, abs=RATIO_ROUNDING)
+        assert row["clover_cache_bytes"] == context * kv_bytes_per_token(source.config)  # all attention: linear, no constant
+        assert row["hybrid_cache_bytes"] == memory_state_bytes(hybrid_config) + context * kv_bytes_per_token(hybrid_config)
+        assert row["memory_only_cache_bytes"] == memory_state_bytes(memory_config)  # no attention layer: constant
+    # a quarter of the layers keep keys: the hybrid's cache grows a quarter as fast as its source's
+    growth = {name: rows[-1][f"{name}_cache_bytes"] - rows[0][f"{name}_cache_bytes"] for name in ("clover", "hybrid", "memory_only", "peer")}
+    assert growth["hybrid"] * 4 == growth["clover"] > 0 and growth["memory_only"] == 0
+    # the peer (Qwen3.5-MoE, three linear-attention layers to one full): keys of one layer a token, plus constant states
+    per_token = 2 * peer.num_key_value_heads * peer.head_dim * 4 * peer.layer_types.count("full_attention")
+    assert growth["peer"] == (contexts[-1] - contexts[0]) * per_token
+    assert rows[0]["peer_cache_bytes"] > contexts[0] * per_token
+
+
+def test_timed_forwards_take_turns():
+    calls = []
+    medians = _medians_ms([lambda: calls.append("a"), lambda: calls.append("b")], 3)
+    assert calls == ["a", "b"] * 4 and len(medians) == 2  # the warm-ups, then three timed rounds
+    assert all(ms >= 0 for ms in medians)
+
+
+def test_load_models_takes_a_hybrid_of_the_same_vocabulary(tokenizer, tmp_path):
+    source = tiny_all_attention()
+    save_model(source, tokenizer, tmp_path / "clover")
+    save_model(tiny_hybrid(source), tokenizer, tmp_path / "hybrid")
+    loaded = load_models(tmp_path / "clover", None, None, hybrid_dir=tmp_path / "hybrid")
+    assert loaded.hybrid.config.layer_types == [MEMORY] * 3 + [ATTENTION] and loaded.folders["hybrid"] == str(tmp_path / "hybrid")
+    assert load_models(tmp_path / "clover", None, None).hybrid is None
+    save_model(tiny_hybrid(tiny_all_attention(vocab_size=VOCAB + 64)), tokenizer, tmp_path / "other")
+    with pytest.raises(CloverError, match=re.escape(f"the hybrid at {tmp_path / 'other'} has a vocabulary of {VOCAB + 64} tokens, {tmp_path / 'clover'} one of {VOCAB}:")):
+        load_models(tmp_path / "clover", None, None, hybrid_dir=tmp_path / "other")
+
+
+def test_cli_hybrid_needs_the_context_section(tmp_path, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", "--hybrid", str(tmp_path), "--sections", "tasks", "--no-peer"])
+    assert raised.value.code == 2
+    assert capsys.readouterr().err == "error: --hybrid is timed in the context_scaling section: add it to --sections\n"
 
 
 def test_block_size_sweep_adds_auto_for_a_calibrated_model(models, report, tmp_path):
@@ -311,12 +401,16 @@ def test_cli_quick_run_on_saved_tiny_models(models, tokenizer, tmp_path, capsys)
     save_model(models.clover, tokenizer, tmp_path / "clover")
     save_model(models.memory_only, tokenizer, tmp_path / "memory")
     save_peer(models.peer, tokenizer, tmp_path / "peer")
+    save_model(models.hybrid, tokenizer, tmp_path / "hybrid")
     main([
         "bench", "--model", str(tmp_path / "clover"), "--memory-model", str(tmp_path / "memory"),
-        "--peer", str(tmp_path / "peer"), "--quick", "--contexts", "64", "128", "--threads", "1",
+        "--peer", str(tmp_path / "peer"), "--hybrid", str(tmp_path / "hybrid"), "--quick", "--contexts", "64", "128", "--threads", "1",
         "--json", str(tmp_path / "report" / "quick.json"),
     ])  # fmt: skip
     report = json.loads((tmp_path / "report" / "quick.json").read_text())
+    assert report["meta"]["models"]["hybrid"] == str(tmp_path / "hybrid")
+    for row in report["context_scaling"]:
+        assert row["hybrid_block_ms"] > 0 and row["hybrid_cache_bytes"] > 0 and row["hybrid_vs_clover"] > 0
     assert list(report["tasks"]) == ["no_fly_zones", "tool_call", "kv_retrieval", "arithmetic"]
     assert report["meta"]["repeats"] == 1 and report["meta"]["prompts"] == 4
     assert [row["block_size"] for row in report["block_sizes"]] == [4, 16, 64]

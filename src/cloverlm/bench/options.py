@@ -97,6 +97,7 @@ class BenchModels:
     folders: dict[str, str | None]  # where each model came from, for the report
     calibration: Calibration | None = None  # Clover's block-size head: adds "auto" to the block-size sweep
     llama: object | None = None  # a llama_cpp.Llama on the base's GGUF (cloverlm.bench.llama_cpp), or None
+    hybrid: CloverForBlockDiffusion | None = None  # a grafted hybrid (`--hybrid`): context scaling times it beside Clover
 
 
 def parse_context(text: str) -> int:
@@ -107,9 +108,12 @@ def parse_context(text: str) -> int:
     return int(digits) * kilo
 
 
-def load_models(clover_dir: Path, memory_dir: Path | None, peer_dir: Path | None, llama_gguf: Path | None = None) -> BenchModels:
-    """Load the models (no peer when peer_dir is None, no llama.cpp without a GGUF), in the dtype this
-    machine decodes fastest in; the peer is checked first, it is the one most likely missing."""
+def load_models(
+    clover_dir: Path, memory_dir: Path | None, peer_dir: Path | None, llama_gguf: Path | None = None, hybrid_dir: Path | None = None
+) -> BenchModels:
+    """Load the models (no peer when peer_dir is None, no llama.cpp without a GGUF, no hybrid without
+    hybrid_dir), in the dtype this machine decodes fastest in; the peer is checked first, it is the one
+    most likely missing. The hybrid must share Clover's vocabulary: both read the same context ids."""
     if peer_dir is not None and not is_peer_folder(peer_dir):
         raise CloverError(
             f"no peer model at {peer_dir}: train one with `clover train --recipe convert --arch ar --out runs/convert-peer` "
@@ -122,15 +126,23 @@ def load_models(clover_dir: Path, memory_dir: Path | None, peer_dir: Path | None
         peer = load_peer(peer_dir, dtype)
         if has_tokenizer(peer_dir) and load_folder_tokenizer(peer_dir).get_vocab() != tokenizer.get_vocab():
             raise CloverError(f"the peer at {peer_dir} uses another tokenizer than {clover_dir}: the prompts would differ")
+    clover = load_model(clover_dir, dtype)
+    hybrid = None if hybrid_dir is None else load_model(hybrid_dir, dtype)
+    if hybrid is not None and hybrid.config.vocab_size != clover.config.vocab_size:
+        raise CloverError(
+            f"the hybrid at {hybrid_dir} has a vocabulary of {hybrid.config.vocab_size} tokens, {clover_dir} one of "
+            f"{clover.config.vocab_size}: the two must read the same contexts (graft it from this model: clover convert --graft memory)"
+        )
     return BenchModels(
-        clover=load_model(clover_dir, dtype),
+        clover=clover,
         memory_only=None if memory_dir is None else load_model(memory_dir, dtype),
         peer=peer,
         tokenizer=tokenizer,
         calibration=load_calibration(clover_dir),
         folders={"clover": str(clover_dir), "memory_only": None if memory_dir is None else str(memory_dir), "peer": None if peer_dir is None else str(peer_dir),
-                 "llama_cpp": None if llama_gguf is None else str(llama_gguf)},
+                 "llama_cpp": None if llama_gguf is None else str(llama_gguf), "hybrid": None if hybrid_dir is None else str(hybrid_dir)},
         llama=None if llama_gguf is None else load_llama_cpp(llama_gguf, torch.get_num_threads()),
+        hybrid=hybrid,
     )
 
 

@@ -64,6 +64,10 @@ def _plot_context(axes, report: dict) -> None:
     contexts = [row["context"] for row in rows]
     axes.plot(contexts, [row["clover_block_ms"] for row in rows], "o-", label="Clover, per block forward")
     axes.plot(contexts, [row["memory_only_block_ms"] for row in rows], "s-", label="Clover memory-only, per block forward")
+    if rows and rows[0]["hybrid_block_ms"] is not None:
+        last = rows[-1]
+        versus = "" if last["hybrid_vs_clover"] is None else f": {last['hybrid_vs_clover']:.2f}x Clover at {_context_label(last['context'])}"
+        axes.plot(contexts, [row["hybrid_block_ms"] for row in rows], "D-", label=f"hybrid (grafted), per block forward{versus}")
     if rows and rows[0]["peer_token_ms"] is not None:
         axes.plot(
             contexts,
@@ -72,12 +76,16 @@ def _plot_context(axes, report: dict) -> None:
             label="peer, for the same tokens (per token x block_tokens)",
         )
     axes.set_xscale("log", base=2)
-    axes.set_xticks(contexts, [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
+    axes.set_xticks(contexts, [_context_label(c) for c in contexts])
     axes.set_xlabel("context (tokens)")
     axes.set_ylabel("ms")
     axes.set_ylim(bottom=0)
     axes.set_title("Decoding cost against context")
     axes.legend()
+
+
+def _context_label(context: int) -> str:
+    return f"{context // 1024}k" if context % 1024 == 0 else str(context)
 
 
 def _plot_schema(axes, report: dict) -> None:

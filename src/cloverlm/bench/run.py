@@ -16,17 +16,29 @@ Each section is one function and one key of the JSON report, in its own module o
   speedup = peer wall_s_median / Clover wall_s_median.
   median_exec_s: each model's median wall time over all requests.
 * `context_scaling` (bench_context, `cloverlm.bench.context`): the cost of one decoding forward
-  after a context of random tokens. Clover's forwards are block forwards; a block of B tokens takes
-  B / TPF of them (TPF as measured in the tasks section): the first commits the previous block fused
-  with a denoising step, the others only denoise. So
+  after a context of random tokens, and what a request's cache holds there. Clover's forwards are
+  block forwards; a block of B tokens takes B / TPF of them (TPF as measured in the tasks section):
+  the first commits the previous block fused with a denoising step, the others only denoise. So
     - clover_block_ms = (fused_ms + (B / TPF - 1) * step_ms) / (B / TPF): one block forward in the
       engine's mix, median over timed forwards; memory_only_block_ms: the same for the memory-only
-      model (same mix, so the two compare the architectures' cost per forward);
+      model; hybrid_block_ms: the same for the grafted hybrid of `--hybrid` (null without it). All
+      three use Clover's B and TPF, so they compare the architectures' cost per forward; Clover and
+      the hybrid read the same context ids, and the models' timed forwards take turns call by call;
+    - hybrid_vs_clover = hybrid_block_ms / clover_block_ms (issue 30's target: <= 0.5 at 8k);
     - block_tokens = TPF: the tokens one Clover block forward yields;
     - peer_token_ms: one cached one-token forward of the peer;
     - speedup = peer_token_ms * block_tokens / clover_block_ms: the peer's time to produce the tokens
-      one Clover block forward yields, over the time of that forward.
-  Timed fused forwards each commit one more block, so the context grows by a few blocks while timing.
+      one Clover block forward yields, over the time of that forward;
+    - clover_cache_bytes, memory_only_cache_bytes, hybrid_cache_bytes, peer_cache_bytes: the bytes
+      of history the model's one-row cache holds after the context (null for a model not run):
+      attention layers' keys and values at the filled positions, growing linearly with the context
+      (spare capacity not counted: a prefill's buffers hold exactly the context, but blocks committed
+      after it, here those past 8,192 tokens, double a full buffer, and the engine reserves the
+      answer budget after a prefill; the peer's grow by concatenation and hold exactly this); memory
+      layers' recurrent state and conv tail (the peer's linear-attention layers': conv and recurrent
+      states), the same at every context.
+  Cache bytes are taken before timing: timed fused forwards each commit one more block, so the
+  context grows by a few blocks while timing.
 * `schema` (bench_schema, `cloverlm.bench.schema`): no-fly-zone extraction as JSON, Clover free and
   under the answer's schema and the peer under the schema: parsed, schema-valid, zone exact, TPF, the
   forced-token share, the cost of a constrained forward against a free one, and the speedup.

@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer", help=f"the autoregressive peer's folder (default: models/{DEFAULT_PEER})")
     p.add_argument("--no-peer", action="store_true", help="Clover only; the peer's fields are null")
     p.add_argument("--memory-model", help="memory-only model for context scaling (default: a random-init clover-tiny-memory)")
+    p.add_argument("--hybrid", metavar="FOLDER",
+                   help="a grafted hybrid (clover convert --graft memory): context scaling times its block forward beside Clover's "
+                        "and reports both models' cache bytes per request")
     p.add_argument("--quick", action="store_true", help=f"under 3 minutes on a 2-core CPU: fewer prompts, {quick.repeats} repeat, {_contexts(quick.contexts)}")
     p.add_argument("--json", default="runs/bench.json", help="the report; its plots go next to it (default: runs/bench.json)")
     p.add_argument("--repeats", type=int, help=f"timed runs of each request (default: {bench.repeats}; --quick: {quick.repeats})")

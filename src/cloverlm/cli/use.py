@@ -172,6 +172,8 @@ def cmd_bench(args) -> None:
         overrides["contexts"] = tuple(parse_context(text) for text in args.contexts)
     options = BenchOptions.quick(**overrides) if args.quick else BenchOptions(**overrides)
     options.validate()  # before minutes of model loading
+    if args.hybrid and "context_scaling" not in options.sections:
+        raise CloverError("--hybrid is timed in the context_scaling section: add it to --sections")
     shipped = default_model_dir().parent  # the default peer sits next to the default model
     peer = None
     if not args.no_peer:
@@ -181,6 +183,7 @@ def cmd_bench(args) -> None:
         Path(args.memory_model) if args.memory_model else None,  # None: a random-init memory-only model
         peer,
         gguf_path(DEFAULT_BASE) if args.llama_cpp else None,
+        Path(args.hybrid) if args.hybrid else None,
     )
     report = run_bench(models, options)
     written = write_report(report, Path(args.json))
