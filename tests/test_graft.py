@@ -157,6 +157,17 @@ def test_calibration_matches_the_replaced_softmax(source):
         assert torch.isclose(mixer.forward_streams(None, x, layout, positions)[1].norm(dim=-1).mean(), expected, rtol=1e-4)
 
 
+def test_a_silent_attention_grafts_to_finite_weights():
+    """An attention that writes nothing (o_proj zero) has no output scale to match: the calibration leaves
+    the scale at 1 instead of dividing 0 by 0."""
+    model = converted_llama(seed=3)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.zero_()
+    graft = graft_memory(model, [0, 1], calibration=ids())
+    assert all(torch.isfinite(p).all() for p in graft.parameters())
+    assert torch.isfinite(graft(ids(12, 1)).logits).all()
+
+
 def test_clover_convert_graft_writes_a_loadable_hybrid(tokenizer, tmp_path, capsys):
     save_model(converted_llama(vocab_size=len(tokenizer), layers=4), tokenizer, tmp_path / "source")
     main(["convert", "--graft", "memory", "--source", str(tmp_path / "source"), "--out", str(tmp_path / "hybrid")])

@@ -1,7 +1,7 @@
-"""The `clover` command line: info, tokenizer, convert, train, generate, eval, calibrate, bench, demo, serve.
+"""The `clover` command line: info, tokenizer, convert, train, graft-select, generate, eval, calibrate, bench, demo, serve.
 
 This module holds the argument parser and main; the commands are make.py (info, tokenizer, train,
-convert) and use.py (the commands that run a model folder). They import their machinery inside the
+convert, graft-select) and use.py (the commands that run a model folder). They import their machinery inside the
 command functions, so that `clover --help` does not load it. A default another module owns is read
 from it (DecodeParams, ServerConfig, BenchOptions, calibrate, the packaged bases), not written again here."""
 
@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from cloverlm.bench.options import BenchOptions
-from cloverlm.cli.make import cmd_campaign, cmd_convert, cmd_info, cmd_tokenizer, cmd_train
+from cloverlm.cli.make import cmd_campaign, cmd_convert, cmd_graft_select, cmd_info, cmd_tokenizer, cmd_train
 from cloverlm.cli.use import (
     DEFAULT_MODEL,
     DEFAULT_PEER,
@@ -32,6 +32,7 @@ from cloverlm.serving.schemas import ServerConfig
 from cloverlm.tasks import HELD_OUT, SUITE
 from cloverlm.training import calibrate
 from cloverlm.training.conversion import campaign
+from cloverlm.training.graft_select import REPORT_FILE, SelectConfig
 from cloverlm.training.scratch.data import DEFAULT_VOCAB_SIZE
 from cloverlm.training.scratch.recipe import TrainConfig
 
@@ -133,6 +134,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", help="--graft: the Clover folder to graft (weights or adapter; default: --base, converted)")
     p.add_argument("--memory-layers", help="--graft: comma-separated layer indices (default: all but every fourth)")
     p.set_defaults(func=cmd_convert)
+
+    select = SelectConfig()
+    p = sub.add_parser("graft-select", help="which layers of a graft stay attention: each restored in turn, scored on KL and recall")
+    p.add_argument("--teacher", required=True, help="the all-attention model the student was grafted from")
+    p.add_argument("--student", required=True, help="the graft after stage 1 (all or mostly memory layers)")
+    p.add_argument("--out", required=True, help=f"folder for the report ({REPORT_FILE}) and the plot of the scores")
+    p.add_argument("--keep", type=int, default=select.keep, help=f"candidates kept as attention (default: {select.keep})")
+    p.add_argument("--tokens", type=int, default=select.tokens, help=f"held-out tokens of the KL (default: {select.tokens})")
+    p.add_argument("--seq-len", type=int, default=select.seq_len, help=f"tokens per KL row (default: {select.seq_len})")
+    p.add_argument("--kv-prompts", type=int, default=select.kv_prompts, help=f"kv_retrieval prompts (default: {select.kv_prompts})")
+    p.add_argument("--needle-context", default=",".join(map(str, select.needle_contexts)),
+                   help="comma-separated haystack lengths in tokens (default: %(default)s; 'none': no needle)")
+    p.add_argument("--needle-depths", default=",".join(map(str, select.needle_depths)),
+                   help="comma-separated depths of the needle, 0 to 1 (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=select.seed)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=select.device)
+    p.add_argument("--fp32", action="store_true", help="no bf16 (default: bf16 where the hardware multiplies it)")
+    p.add_argument("--save-hybrid", action="store_true",
+                   help="also write OUT/hybrid: the student with the chosen layers restored, its trained memory layers kept")
+    p.add_argument("--threads", type=int)
+    p.set_defaults(func=cmd_graft_select)
 
     p = sub.add_parser("calibrate", help="fit the block-size head (block_size='auto') on held-out prompts")
     p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL}); the calibration is saved into it")

@@ -1,5 +1,5 @@
 """The `clover` commands that make a model: info (a preset's size and memory plan), tokenizer, train
-(from scratch, or --recipe convert: a LoRA adapter over a pretrained base) and convert."""
+(from scratch, or --recipe convert: a LoRA adapter over a pretrained base), convert and graft-select."""
 
 from __future__ import annotations
 
@@ -220,3 +220,36 @@ def _graft(args) -> None:
     kept = [i for i in range(model.config.num_hidden_layers) if i not in layers]
     print(f"{args.source or args.base} grafted: {len(layers)} memory layers, attention kept at {kept}, "
           f"{sum(p.numel() for p in graft.parameters()) / 1e6:.1f}M parameters in {args.out}")  # fmt: skip
+
+
+def _numbers(text: str, kind, option: str) -> tuple:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(kind(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise CloverError(f"{option} expects comma-separated numbers, got '{text}'") from None
+
+
+def cmd_graft_select(args) -> None:
+    """Which candidate layers of a graft stay attention (training/graft_select.py); prints the summary."""
+    import torch
+
+    from cloverlm.training.graft_select import REPORT_FILE, SelectConfig, select_layers
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    depths = _numbers(args.needle_depths, float, "--needle-depths")
+    if any(not 0 <= d <= 1 for d in depths):
+        raise CloverError(f"--needle-depths must lie between 0 and 1, got {args.needle_depths}")
+    cfg = SelectConfig(
+        teacher=args.teacher, student=args.student, out=args.out, keep=args.keep, seed=args.seed, tokens=args.tokens,
+        seq_len=args.seq_len, kv_prompts=args.kv_prompts, needle_contexts=_numbers(args.needle_context, int, "--needle-context"),
+        needle_depths=depths, device=args.device, bf16=False if args.fp32 else None, save_hybrid=args.save_hybrid,
+    )  # fmt: skip
+    report = select_layers(cfg)
+    print(json.dumps({"chosen": report["chosen"], "attention_layers": report["attention_layers"],
+                      "memory_layers": report["memory_layers_arg"], "report": str(Path(args.out) / REPORT_FILE),
+                      "hybrid": report.get("hybrid"),
+                      "convert": f"clover convert --graft memory --source {args.teacher} --memory-layers "
+                                 f"{report['memory_layers_arg']} --out OUT"}))  # fmt: skip

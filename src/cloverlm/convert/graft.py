@@ -24,7 +24,7 @@ from cloverlm.convert.base import clover_from_state
 from cloverlm.errors import CloverError
 from cloverlm.model.cache import CloverCache
 from cloverlm.model.clover import CloverForBlockDiffusion
-from cloverlm.model.config import MEMORY, CloverConfig, default_layer_types
+from cloverlm.model.config import ATTENTION, MEMORY, CloverConfig, default_layer_types
 from cloverlm.model.layout import BlockLayout
 from cloverlm.model.memory import CloverMemoryMixer
 
@@ -59,13 +59,7 @@ def _checked_layers(config: CloverConfig, memory_layers: Sequence[int]) -> set[i
         raise CloverError(
             "the graft needs a converted Llama-family model (attention without q/k norm, output gate or partial rotary)"
         )
-    layers = list(memory_layers)
-    count = config.num_hidden_layers
-    if not layers:  # a graft that changes nothing is a mistake (an empty --memory-layers), not a copy
-        raise CloverError("no layers to graft: give at least one layer index")
-    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count]
-    if bad:
-        raise CloverError(f"memory layers {bad} are out of range: the model has layers 0..{count - 1}")
+    layers = _layer_indices(memory_layers, config.num_hidden_layers, "graft")
     repeated = sorted({i for i in layers if layers.count(i) > 1})
     if repeated:
         raise CloverError(f"memory layers {repeated} are given more than once")
@@ -73,6 +67,25 @@ def _checked_layers(config: CloverConfig, memory_layers: Sequence[int]) -> set[i
     if memory:
         raise CloverError(f"layers {memory} are memory layers already; only attention layers can be grafted")
     return set(layers)
+
+
+def _layer_indices(layers: Sequence[int], count: int, verb: str) -> list[int]:
+    """`layers` as a list, checked: at least one (a change of nothing is a mistake, e.g. an empty
+    --memory-layers, not a copy), each an index of the model's `count` layers."""
+    layers = list(layers)
+    if not layers:
+        raise CloverError(f"no layers to {verb}: give at least one layer index")
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count]
+    if bad:
+        raise CloverError(f"layers {bad} are out of range: the model has layers 0..{count - 1}")
+    return layers
+
+
+def check_graft_of(teacher: CloverForBlockDiffusion, student: CloverForBlockDiffusion) -> None:
+    """CloverError unless `student` has `teacher`'s stack (layers and width), as a graft of it does."""
+    t, s = teacher.config, student.config
+    if (t.num_hidden_layers, t.hidden_size) != (s.num_hidden_layers, s.hidden_size):
+        raise CloverError("the student is not a graft of the teacher (its layers or hidden size differ)")
 
 
 def _repeat_heads(weight: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
@@ -132,7 +145,9 @@ def _calibrate(mixer: CloverMemoryMixer, attention: nn.Module, x: torch.Tensor, 
     length = x.shape[1]
     layout = BlockLayout.build([1] * length, max_block, x.device)
     out = mixer.forward_streams(None, x, layout, torch.arange(length, device=x.device))[1]
-    mixer.norm.weight.mul_(y.float().norm(dim=-1).mean() / out.float().norm(dim=-1).mean())
+    target, got = y.float().norm(dim=-1).mean(), out.float().norm(dim=-1).mean()
+    if target > 0 and got > 0:  # an attention that writes nothing (seen in tests) leaves the scale at 1
+        mixer.norm.weight.mul_(target / got)
 
 
 def _mixer_from_attention(attention: nn.Module, config: CloverConfig, weight: torch.Tensor) -> CloverMemoryMixer:
@@ -188,6 +203,34 @@ def graft_memory(
         if i in teacher:
             _calibrate(mixer, model.model.layers[i].self_attn, *teacher[i], config.max_block_size)
     return graft.eval()
+
+
+def restore_attention(
+    student: CloverForBlockDiffusion, teacher: CloverForBlockDiffusion, layers: Sequence[int]
+) -> CloverForBlockDiffusion:
+    """A new model (both inputs are left as they were): `student` with its memory layers `layers` turned
+    back into the teacher's attention, its q/k/v/o copied from `teacher`; every other weight (the layer's
+    norms and feed-forward included, which stage 2 may train) is the student's. The inverse of
+    `graft_memory` for the mixers: restoring every grafted layer gives the teacher again. Used to score
+    which layers stay attention (training/graft_select.py)."""
+    check_graft_of(teacher, student)
+    t, s = teacher.config, student.config
+    layers = _layer_indices(layers, s.num_hidden_layers, "restore")
+    wrong = sorted(i for i in set(layers) if s.layer_types[i] != MEMORY or t.layer_types[i] != ATTENTION)
+    if wrong:
+        raise CloverError(f"layers {wrong} are not memory layers of the student in place of the teacher's attention")
+    chosen = set(layers)
+    layer_types = [ATTENTION if i in chosen else kind for i, kind in enumerate(s.layer_types)]
+    config = CloverConfig(**{**s.to_dict(), "layer_types": layer_types})
+    mixers = tuple(f"model.layers.{i}.linear_attn." for i in chosen)
+    attentions = tuple(f"model.layers.{i}.self_attn." for i in chosen)
+    state = {k: v.detach().clone() for k, v in student.state_dict().items() if not k.startswith(mixers)}
+    weight = student.model.embed_tokens.weight
+    state.update({k: v.detach().to(device=weight.device, dtype=weight.dtype, copy=True)
+                  for k, v in teacher.state_dict().items() if k.startswith(attentions)})  # fmt: skip
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # tied again by clover_from_state
+    return clover_from_state(config, state, "the restored student")
 
 
 def calibration_ids(tokenizer, tokens: int = 384, seed: int = 0) -> torch.Tensor:

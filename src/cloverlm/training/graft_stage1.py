@@ -43,7 +43,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import nn
 
-from cloverlm.convert.graft import teacher_layers
+from cloverlm.convert.graft import check_graft_of, teacher_layers
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import atomic_write_dir, multiplies_bf16, save_model
@@ -85,9 +85,8 @@ class Stage1Config:
 
 def grafted_layers(teacher, student) -> list[int]:
     """The student's memory layers that are attention layers in the teacher: the layers stage 1 trains."""
+    check_graft_of(teacher, student)
     t, s = teacher.config, student.config
-    if (t.num_hidden_layers, t.hidden_size) != (s.num_hidden_layers, s.hidden_size):
-        raise CloverError("the student is not a graft of the teacher (its layers or hidden size differ)")
     layers = [i for i, (a, b) in enumerate(zip(t.layer_types, s.layer_types)) if a == ATTENTION and b == MEMORY]
     if not layers:
         raise CloverError("the student has no memory layer in place of a teacher's attention layer: nothing to train")
