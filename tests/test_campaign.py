@@ -130,3 +130,34 @@ def test_a_campaign_that_has_begun_keeps_its_data_and_step_shape(tmp_path):
     resumed = trainer_config(CampaignConfig(minutes=1, out=str(tmp_path)), "diffusion", "cuda")
     assert (resumed.rows_per_step, resumed.tokens_per_step, resumed.mixture) == (3, 900, {"no_fly_zones": 1.0})
     assert resumed.full_size_share == 0.3 and resumed.distractor_weights == {}
+
+
+def test_an_evaluation_cut_short_resumes_at_the_first_point_it_lacks(tmp_path, monkeypatch):
+    """An hour of CPU for a pair of models: each point is cached as it is computed, and a second call with
+    the same adapter computes only the points the first did not reach."""
+    import cloverlm.convert.load
+    import cloverlm.evaluation.campaign as campaign
+
+    folder = tmp_path / "smollm2-clover"
+    shutil.copytree(MODELS / "smollm2-clover", folder, ignore=shutil.ignore_patterns("eval"))
+    monkeypatch.setattr(cloverlm.convert.load, "load_model", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cloverlm.convert.load, "load_folder_tokenizer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(campaign, "teacher_forced_agreement", lambda model, tokenizer, chats: [0.5] * len(chats))
+    asked = []
+
+    def evaluate_tasks(model, tokenizer, names, prompts, block_size, **kwargs):
+        asked.append((names[0], block_size))
+        if len(asked) == 3:
+            raise KeyboardInterrupt  # the session ends during the third point
+        return {names[0]: {"per_prompt": [{campaign.METRIC[names[0]]: 1.0}] * prompts, "tokens_per_forward": 2.0, "seconds": 1.0}}
+
+    monkeypatch.setattr(campaign, "evaluate_tasks", evaluate_tasks)
+    cache_file = tmp_path / "run" / "candidate_eval.json"
+    with pytest.raises(KeyboardInterrupt):
+        campaign.evaluate_folder(folder, 2, cache=True, cache_file=cache_file)
+    assert set(json.loads(cache_file.read_text())["points"]) == {"no_fly_b1", "no_fly_b16"}
+    result = campaign.evaluate_folder(folder, 2, cache=True, cache_file=cache_file)
+    assert asked[3:] == [("no_fly_zones_unseen", 16), ("tool_call", 16)]  # the third again, then the fourth
+    assert set(result["points"]) == set(campaign.CLOVER_POINTS) | {"chat"} and result["summary"]["chat"] == 0.5
+    assert campaign.evaluate_folder(folder, 2, cache=True, cache_file=cache_file) == result and len(asked) == 5
+    assert campaign.evaluate_folder(folder, 3, cache=True, cache_file=cache_file)["points"]["no_fly_b1"] == [1.0] * 3  # other key

@@ -37,26 +37,38 @@ def _key(folder: Path, prompts: int) -> dict:
     return {"version": EVAL_VERSION, "prompts": prompts, "adapter_sha256": digest}
 
 
-def evaluate_folder(folder: str | Path, prompts: int = 20, cache: bool = False, write_cache: bool = True) -> dict:
+def evaluate_folder(folder: str | Path, prompts: int = 20, cache: bool = False, write_cache: bool = True,
+                    cache_file: Path | None = None) -> dict:
     """{"points": {point: [score per prompt]}, "summary": {point: mean, ...}, "key": ...} for an adapter
-    folder (Clover or the peer). cache=True reads folder/eval/campaign.json where it holds this adapter's
-    scores at these points and prompts, and (write_cache) writes what it computed there."""
+    folder (Clover or the peer). cache=True reads folder/eval/campaign.json (or `cache_file`) where it holds
+    this adapter's scores at these prompts, and (write_cache) writes each point there as it is computed: an
+    evaluation cut short (an hour of CPU for a pair of models) resumes at the first point it lacks."""
     from cloverlm.convert.adapter import adapter_meta
     from cloverlm.convert.load import load_folder_tokenizer, load_model
     from cloverlm.convert.peer import is_peer_folder, load_peer
     from cloverlm.model.checkpoint import inference_dtype
 
     folder = Path(folder)
-    key, cached = _key(folder, prompts), folder / "eval" / CAMPAIGN_EVAL
-    if cache and cached.is_file():
-        stored = json.loads(cached.read_text())
-        if stored.get("key") == key:
-            return stored
+    key, cached = _key(folder, prompts), cache_file or folder / "eval" / CAMPAIGN_EVAL
+    stored = json.loads(cached.read_text()) if cache and cached.is_file() else {}
+    stored = stored if stored.get("key") == key else {}
     peer = is_peer_folder(folder)
+    wanted = PEER_POINTS if peer else CLOVER_POINTS
+    points, summary = dict(stored.get("points", {})), dict(stored.get("summary", {}))
+    result = {"key": key, "folder": str(folder), "points": points, "summary": summary}
+
+    def keep() -> None:
+        if cache and write_cache:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            cached.write_text(json.dumps(result, indent=1) + "\n")
+
+    if set(points) >= set(wanted) | {"chat"}:
+        return result
     model = load_peer(folder, inference_dtype()) if peer else load_model(folder, inference_dtype())
     tokenizer = load_folder_tokenizer(folder)
-    points, summary = {}, {}
-    for point, (task, block_size) in (PEER_POINTS if peer else CLOVER_POINTS).items():
+    for point, (task, block_size) in wanted.items():
+        if point in points:
+            continue
         report = evaluate_tasks(model, tokenizer, [task], prompts, block_size=block_size, threshold=THRESHOLD,
                                 sizes=SIZES, answers=ANSWERS, per_prompt=True)[task]  # fmt: skip
         points[point] = [score[METRIC[task]] for score in report["per_prompt"]]
@@ -64,14 +76,12 @@ def evaluate_folder(folder: str | Path, prompts: int = 20, cache: bool = False, 
         if block_size > 1:
             summary[f"{point}_tpf"] = report["tokens_per_forward"]
         summary[f"{point}_seconds"] = report["seconds"]
+        keep()
     points["chat"] = teacher_forced_agreement(model, tokenizer, read_chat("heldout")[:prompts])
     summary["chat"] = round(statistics.mean(points["chat"]), 4)
     meta = adapter_meta(folder)
     summary |= {"total_tokens": meta.get("total_tokens"), "total_steps": meta.get("total_steps")}
-    result = {"key": key, "folder": str(folder), "points": points, "summary": summary}
-    if cache and write_cache:
-        cached.parent.mkdir(exist_ok=True)
-        cached.write_text(json.dumps(result, indent=1) + "\n")
+    keep()
     return result
 
 

@@ -31,6 +31,7 @@ from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer
 from cloverlm.training.loop import STATE_FILE
 
 SHIPPED = {"diffusion": "smollm2-clover", "ar": "smollm2-peer"}
+CANDIDATE_EVAL = "candidate_eval.json"  # a run's evaluation, point by point, beside its adapter folder
 CAMPAIGN_MIXTURE = {"no_fly_zones": 0.55, "tool_call": 0.15, "kv_retrieval": 0.05, "arithmetic": 0.05, "chat": 0.2}
 # Per device: rows and clean tokens of a step (CUDA: several rows, padded; the CPU: two rows of 1,600).
 STEP_SHAPE = {"cpu": (2, 1600), "cuda": (8, 4000)}
@@ -182,7 +183,8 @@ def run_campaign(cfg: CampaignConfig) -> dict:
             name = SHIPPED[objective]
             # the shipped folder's cached scores are written only by a campaign that may change the folder
             shipped = evaluate_folder(models / name, cfg.prompts, cache=True, write_cache=cfg.promote)
-            candidate = evaluate_folder(Path(trained["out"]), cfg.prompts)
+            # cached beside the run (its adapter folder is rewritten whole): `--minutes 0` finishes a cut evaluation
+            candidate = evaluate_folder(Path(trained["out"]), cfg.prompts, cache=True, cache_file=out / name / CANDIDATE_EVAL)
             primary = ["no_fly_b1", "no_fly_b16", "unseen_b16"] if objective == "diffusion" else ["no_fly_b1", "unseen_b1"]
             guards = ["tool_call_b16" if objective == "diffusion" else "tool_call_b1", "chat"]
             decision = beats(candidate, shipped, primary, guards)
