@@ -273,11 +273,9 @@ class GrammarConstraint:
 
     def _near_ending(self) -> list[int] | None:
         """The short ending to keep room for, once the budget is within WATCH tokens of it; else None."""
-        if self.budget is None:
+        if not self._checks_openers():  # no ending found (at most MAX_ENDING tokens) could be near yet
             return None
         left = self.budget - self.used
-        if left > MAX_ENDING + WATCH:  # no ending found (at most MAX_ENDING tokens) could be near yet
-            return None
         near = self._ending is not None and left <= len(self._ending) + WATCH
         if (near or self.used - self._ending_at >= RECHECK) and self._ending_at != self.used:
             self._ending = self.grammars.ending(self.matcher, self.state, min(left, MAX_ENDING), self.tails)
