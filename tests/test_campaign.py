@@ -2,6 +2,7 @@
 promoted only beyond noise and only where no guard falls; the shipped log gains a run's lines once; the
 README's campaign section is replaced, not stacked."""
 
+import argparse
 import json
 import shutil
 
@@ -18,6 +19,7 @@ from cloverlm.training.conversion.campaign import (
     _promote,
     _update_readme,
     beats,
+    parse_mixture,
     run_campaign,
     trainer_config,
 )
@@ -35,7 +37,9 @@ def test_paired_difference_is_prompt_by_prompt():
 
 def test_a_gain_within_noise_is_not_promoted_and_a_clear_one_is():
     shipped = _result(nf=[0.0, 0.2, 0.4, 0.2] * 5, tool=[1.0] * 20, chat=[0.86] * 20)
-    noisy = _result(nf=[0.4, 0.0, 0.4, 0.2] * 5, tool=[1.0] * 20, chat=[0.86] * 20)  # +0.1 on a quarter of prompts, -0.2 on another
+    noisy = _result(
+        nf=[0.4, 0.0, 0.4, 0.2] * 5, tool=[1.0] * 20, chat=[0.86] * 20
+    )  # +0.1 on a quarter of prompts, -0.2 on another
     clear = _result(nf=[0.4, 0.6, 0.6, 0.4] * 5, tool=[1.0] * 20, chat=[0.86] * 20)
     assert not beats(noisy, shipped, ["nf"], ["tool", "chat"])["promote"]
     decision = beats(clear, shipped, ["nf"], ["tool", "chat"])
@@ -56,7 +60,9 @@ def test_the_shipped_log_gains_a_runs_lines_once(tmp_path):
     first = _campaign_log(run, '{"step": 478}\n')
     assert [json.loads(line)["step"] for line in first.splitlines()] == [1, 2]
     assert all(json.loads(line)["campaign"] == str(run) for line in first.splitlines())
-    (run / "train_log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.0}\n')
+    (run / "train_log.jsonl").write_text(
+        '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.0}\n'
+    )
     again = _campaign_log(run, '{"step": 478}\n' + first)
     assert [json.loads(line)["step"] for line in again.splitlines()] == [3]
 
@@ -66,10 +72,19 @@ def test_the_readme_section_is_replaced(tmp_path):
     entry = {"shipped": {"no_fly_b1": 0.1, "total_tokens": 10}, "candidate": {"no_fly_b1": 0.2, "total_tokens": 20},
              "decision": {"promote": True}}  # fmt: skip
     for minutes in (60, 90):
-        summary = {"date": "2026-12-05", "minutes": minutes, "device": "cpu (2 threads)", "results": {"smollm2-clover": entry}}
+        summary = {
+            "date": "2026-12-05",
+            "minutes": minutes,
+            "device": "cpu (2 threads)",
+            "results": {"smollm2-clover": entry},
+        }
         _update_readme(tmp_path, summary)
     text = (tmp_path / "README.md").read_text()
-    assert text.startswith("# Shipped models\n\nintro\n") and text.count(README_START) == 1 and text.count(README_END) == 1
+    assert (
+        text.startswith("# Shipped models\n\nintro\n")
+        and text.count(README_START) == 1
+        and text.count(README_END) == 1
+    )
     assert "train_campaign.sh 90" in text and "train_campaign.sh 60" not in text
     assert "| smollm2-clover (candidate) | 20 | 0.2 |" in text
 
@@ -87,7 +102,9 @@ def test_promotion_swaps_in_the_adapter_and_keeps_the_rest(tmp_path):
     _promote(run, shipped, {"summary": {"no_fly_b1": 0.5}}, calibrate=False)
     assert (shipped / "adapter_model.safetensors").read_text() == "new"
     assert json.loads((shipped / "clover_adapter.json").read_text()) == {"total_tokens": 5}
-    assert (shipped / "calibration.json").read_text() == "head" and (shipped / "eval" / "heldout_b1_free.json").is_file()
+    assert (shipped / "calibration.json").read_text() == "head" and (
+        shipped / "eval" / "heldout_b1_free.json"
+    ).is_file()
     assert json.loads((shipped / "eval" / "campaign.json").read_text())["summary"]["no_fly_b1"] == 0.5
     lines = (shipped / "train_log.jsonl").read_text().splitlines()
     assert json.loads(lines[0]) == {"step": 478} and json.loads(lines[1])["step"] == 1 and len(lines) == 2
@@ -108,8 +125,12 @@ def test_the_campaign_trains_both_to_the_same_step_and_evaluates_them(tmp_path):
         entry = summary["results"][name]
         assert set(entry) == {"shipped", "candidate", "decision"} and "chat" in entry["candidate"]
         cached, source = models / name / "eval" / "campaign.json", MODELS / name / "eval" / "campaign.json"
-        assert len(entry["candidate"]) > 5  # every point; and with promote=False the shipped cache stays as it was
-        assert (cached.read_text() if cached.exists() else None) == (source.read_text() if source.exists() else None)
+        assert (
+            len(entry["candidate"]) > 5
+        )  # every point; and with promote=False the shipped cache stays as it was
+        assert (cached.read_text() if cached.exists() else None) == (
+            source.read_text() if source.exists() else None
+        )
         meta = json.loads((tmp_path / "runs" / name / "adapter" / "clover_adapter.json").read_text())
         parent = json.loads((MODELS / name / "clover_adapter.json").read_text())
         assert meta["total_tokens"] == parent["total_tokens"] + sum(meta["tokens"].values())
@@ -125,11 +146,32 @@ def test_a_campaign_that_has_begun_keeps_its_data_and_step_shape(tmp_path):
     assert (fresh.rows_per_step, fresh.tokens_per_step) == STEP_SHAPE["cpu"] and fresh.distractor_weights
     state = tmp_path / "smollm2-clover" / "checkpoint" / "train_state.json"
     state.parent.mkdir(parents=True)
-    stored = {"rows_per_step": 3, "tokens_per_step": 900, "mixture": {"no_fly_zones": 1.0}, "full_size_share": 0.3}
+    stored = {
+        "rows_per_step": 3,
+        "tokens_per_step": 900,
+        "mixture": {"no_fly_zones": 1.0},
+        "full_size_share": 0.3,
+    }
     state.write_text(json.dumps({"config": stored}))  # a run begun before distractor_weights existed
     resumed = trainer_config(CampaignConfig(minutes=1, out=str(tmp_path)), "diffusion", "cuda")
-    assert (resumed.rows_per_step, resumed.tokens_per_step, resumed.mixture) == (3, 900, {"no_fly_zones": 1.0})
+    assert (resumed.rows_per_step, resumed.tokens_per_step, resumed.mixture) == (
+        3,
+        900,
+        {"no_fly_zones": 1.0},
+    )
     assert resumed.full_size_share == 0.3 and resumed.distractor_weights == {}
+    # a deliberate change to what the run teaches; its step shape stays
+    changed = trainer_config(
+        CampaignConfig(minutes=1, out=str(tmp_path), mixture={"chat": 1.0}), "diffusion", "cpu"
+    )
+    assert changed.mixture == {"chat": 1.0} and changed.rows_per_step == 3
+
+
+def test_a_mixture_is_parsed_or_refused_with_what_is_wrong():
+    assert parse_mixture("no_fly_zones=0.5, chat=0.3") == {"no_fly_zones": 0.5, "chat": 0.3}
+    for bad in ("no_fly_zones", "chat=x", "chat=0", "chat=-1,tool_call=2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="mixture"):
+            parse_mixture(bad)
 
 
 def test_an_evaluation_cut_short_resumes_at_the_first_point_it_lacks(tmp_path, monkeypatch):
@@ -142,14 +184,22 @@ def test_an_evaluation_cut_short_resumes_at_the_first_point_it_lacks(tmp_path, m
     shutil.copytree(MODELS / "smollm2-clover", folder, ignore=shutil.ignore_patterns("eval"))
     monkeypatch.setattr(cloverlm.convert.load, "load_model", lambda *args, **kwargs: None)
     monkeypatch.setattr(cloverlm.convert.load, "load_folder_tokenizer", lambda *args, **kwargs: None)
-    monkeypatch.setattr(campaign, "teacher_forced_agreement", lambda model, tokenizer, chats: [0.5] * len(chats))
+    monkeypatch.setattr(
+        campaign, "teacher_forced_agreement", lambda model, tokenizer, chats: [0.5] * len(chats)
+    )
     asked = []
 
     def evaluate_tasks(model, tokenizer, names, prompts, block_size, **kwargs):
         asked.append((names[0], block_size))
         if len(asked) == 3:
             raise KeyboardInterrupt  # the session ends during the third point
-        return {names[0]: {"per_prompt": [{campaign.METRIC[names[0]]: 1.0}] * prompts, "tokens_per_forward": 2.0, "seconds": 1.0}}
+        return {
+            names[0]: {
+                "per_prompt": [{campaign.METRIC[names[0]]: 1.0}] * prompts,
+                "tokens_per_forward": 2.0,
+                "seconds": 1.0,
+            }
+        }
 
     monkeypatch.setattr(campaign, "evaluate_tasks", evaluate_tasks)
     cache_file = tmp_path / "run" / "candidate_eval.json"
@@ -158,6 +208,13 @@ def test_an_evaluation_cut_short_resumes_at_the_first_point_it_lacks(tmp_path, m
     assert set(json.loads(cache_file.read_text())["points"]) == {"no_fly_b1", "no_fly_b16"}
     result = campaign.evaluate_folder(folder, 2, cache=True, cache_file=cache_file)
     assert asked[3:] == [("no_fly_zones_unseen", 16), ("tool_call", 16)]  # the third again, then the fourth
-    assert set(result["points"]) == set(campaign.CLOVER_POINTS) | {"chat"} and result["summary"]["chat"] == 0.5
-    assert campaign.evaluate_folder(folder, 2, cache=True, cache_file=cache_file) == result and len(asked) == 5
-    assert campaign.evaluate_folder(folder, 3, cache=True, cache_file=cache_file)["points"]["no_fly_b1"] == [1.0] * 3  # other key
+    assert (
+        set(result["points"]) == set(campaign.CLOVER_POINTS) | {"chat"} and result["summary"]["chat"] == 0.5
+    )
+    assert (
+        campaign.evaluate_folder(folder, 2, cache=True, cache_file=cache_file) == result and len(asked) == 5
+    )
+    assert (
+        campaign.evaluate_folder(folder, 3, cache=True, cache_file=cache_file)["points"]["no_fly_b1"]
+        == [1.0] * 3
+    )  # other key

@@ -15,6 +15,7 @@ One call, resumable at every point:
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import shutil
@@ -32,7 +33,13 @@ from cloverlm.training.loop import STATE_FILE
 
 SHIPPED = {"diffusion": "smollm2-clover", "ar": "smollm2-peer"}
 CANDIDATE_EVAL = "candidate_eval.json"  # a run's evaluation, point by point, beside its adapter folder
-CAMPAIGN_MIXTURE = {"no_fly_zones": 0.55, "tool_call": 0.15, "kv_retrieval": 0.05, "arithmetic": 0.05, "chat": 0.2}
+CAMPAIGN_MIXTURE = {
+    "no_fly_zones": 0.55,
+    "tool_call": 0.15,
+    "kv_retrieval": 0.05,
+    "arithmetic": 0.05,
+    "chat": 0.2,
+}
 # Per device: rows and clean tokens of a step (CUDA: several rows, padded; the CPU: two rows of 1,600).
 STEP_SHAPE = {"cpu": (2, 1600), "cuda": (8, 4000)}
 README_START, README_END = "<!-- campaign:start -->", "<!-- campaign:end -->"
@@ -52,10 +59,14 @@ class CampaignConfig:
     device: str = "auto"
     seed: int = 3
     lr: float = 2e-4
-    mixture: dict[str, float] = field(default_factory=lambda: dict(CAMPAIGN_MIXTURE))
+    # None: the run's own (a new run: CAMPAIGN_MIXTURE). Given: what the run teaches from its next step on,
+    # the one deliberate change to a campaign's data (e.g. more chat where the chat guard fell)
+    mixture: dict[str, float] | None = None
     full_size_share: float = 0.6  # 20-message no_fly prompts: the size the targets are measured at
     # the two look-alikes the shipped model lists as zones most (18 of 19: docs/error_analysis.md)
-    distractor_weights: dict[str, float] = field(default_factory=lambda: {"UAS EXEMPT": 2.0, "NO DRONE FLT": 2.0})
+    distractor_weights: dict[str, float] = field(
+        default_factory=lambda: {"UAS EXEMPT": 2.0, "NO DRONE FLT": 2.0}
+    )
     rows_per_step: int | None = None  # None: STEP_SHAPE of the device; a resumed run keeps its own
     tokens_per_step: int | None = None
     evaluate: bool = True
@@ -69,12 +80,12 @@ def trainer_config(cfg: CampaignConfig, objective: str, device: str) -> ConvertC
     name = SHIPPED[objective]
     rows, tokens = STEP_SHAPE[device]
     data = {"rows_per_step": cfg.rows_per_step or rows, "tokens_per_step": cfg.tokens_per_step or tokens,
-            "mixture": dict(cfg.mixture), "full_size_share": cfg.full_size_share,
+            "mixture": dict(cfg.mixture or CAMPAIGN_MIXTURE), "full_size_share": cfg.full_size_share,
             "distractor_weights": dict(cfg.distractor_weights)}  # fmt: skip
     state = Path(cfg.out) / name / "checkpoint" / STATE_FILE
     if state.is_file():
         stored = asdict(ConvertConfig()) | json.loads(state.read_text())["config"]
-        data = {key: stored[key] for key in data}
+        data = {key: stored[key] for key in data} | ({"mixture": dict(cfg.mixture)} if cfg.mixture else {})
     return ConvertConfig(
         objective=objective, out=str(Path(cfg.out) / name), seed=cfg.seed, **data, lr=cfg.lr, warmup_steps=10,
         max_steps=cfg.schedule_steps, eval_every=100, checkpoint_every=10, device=cfg.device,
@@ -87,7 +98,11 @@ def _train(convert_cfg: ConvertConfig, minutes: float | None, stop_at: int | Non
     resume = (Path(convert_cfg.out) / "checkpoint").is_dir()
     trainer = ConvertTrainer(convert_cfg, resume=resume)
     try:
-        summary = trainer.run(stop_at=stop_at) if stop_at is None or trainer.step < stop_at else trainer.finish(None)
+        summary = (
+            trainer.run(stop_at=stop_at)
+            if stop_at is None or trainer.step < stop_at
+            else trainer.finish(None)
+        )
     finally:
         del trainer
         gc.collect()  # the next trainer's memory: bound_heap hands this one's back to the kernel
@@ -176,7 +191,7 @@ def run_campaign(cfg: CampaignConfig) -> dict:
     clover_cfg, peer_cfg = trainer_config(cfg, "diffusion", device), trainer_config(cfg, "ar", device)
     clover = _train(clover_cfg, cfg.minutes * cfg.clover_share)
     peer = _train(peer_cfg, None, stop_at=clover["steps"])
-    summary = {"date": time.strftime("%Y-%m-%d"), "minutes": cfg.minutes, "device": clover["device"],
+    summary = {"date": time.strftime("%Y-%m-%d"), "minutes": cfg.minutes, "mixture": clover_cfg.mixture, "device": clover["device"],
                "train_seconds": round(time.time() - started), "clover": clover, "peer": peer, "results": {}}  # fmt: skip
     if cfg.evaluate:
         for objective, trained in (("diffusion", clover), ("ar", peer)):
@@ -184,11 +199,21 @@ def run_campaign(cfg: CampaignConfig) -> dict:
             # the shipped folder's cached scores are written only by a campaign that may change the folder
             shipped = evaluate_folder(models / name, cfg.prompts, cache=True, write_cache=cfg.promote)
             # cached beside the run (its adapter folder is rewritten whole): `--minutes 0` finishes a cut evaluation
-            candidate = evaluate_folder(Path(trained["out"]), cfg.prompts, cache=True, cache_file=out / name / CANDIDATE_EVAL)
-            primary = ["no_fly_b1", "no_fly_b16", "unseen_b16"] if objective == "diffusion" else ["no_fly_b1", "unseen_b1"]
+            candidate = evaluate_folder(
+                Path(trained["out"]), cfg.prompts, cache=True, cache_file=out / name / CANDIDATE_EVAL
+            )
+            primary = (
+                ["no_fly_b1", "no_fly_b16", "unseen_b16"]
+                if objective == "diffusion"
+                else ["no_fly_b1", "unseen_b1"]
+            )
             guards = ["tool_call_b16" if objective == "diffusion" else "tool_call_b1", "chat"]
             decision = beats(candidate, shipped, primary, guards)
-            summary["results"][name] = {"shipped": shipped["summary"], "candidate": candidate["summary"], "decision": decision}
+            summary["results"][name] = {
+                "shipped": shipped["summary"],
+                "candidate": candidate["summary"],
+                "decision": decision,
+            }
             if cfg.promote and decision["promote"]:
                 _promote(out / name, models / name, candidate, cfg.calibrate and objective == "diffusion")
         if cfg.promote:
@@ -202,16 +227,47 @@ def run_campaign(cfg: CampaignConfig) -> dict:
 def add_arguments(parser) -> None:
     """`clover campaign`'s options, shared by the CLI and scripts/gpu_window/run_campaign.py (the GPU
     machine cannot import the CLI: it lacks the server's packages)."""
-    parser.add_argument("--minutes", type=float, required=True, help="training minutes (evaluation comes after)")
+    parser.add_argument(
+        "--minutes", type=float, required=True, help="training minutes (evaluation comes after)"
+    )
     parser.add_argument("--out", default=CampaignConfig.out)
-    parser.add_argument("--models", default=CampaignConfig.models, help="the shipped folders: warm starts and promotions")
+    parser.add_argument(
+        "--models", default=CampaignConfig.models, help="the shipped folders: warm starts and promotions"
+    )
     parser.add_argument("--device", default=CampaignConfig.device, choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--prompts", type=int, default=CampaignConfig.prompts, help="held-out prompts per evaluation point")
-    parser.add_argument("--rows-per-step", type=int, help="a new campaign's step shape (default: 2 x 1,600 on CPU, 8 x 4,000 on CUDA)")
+    parser.add_argument(
+        "--prompts", type=int, default=CampaignConfig.prompts, help="held-out prompts per evaluation point"
+    )
+    parser.add_argument(
+        "--rows-per-step",
+        type=int,
+        help="a new campaign's step shape (default: 2 x 1,600 on CPU, 8 x 4,000 on CUDA)",
+    )
     parser.add_argument("--tokens-per-step", type=int, help="clean tokens per row of a new campaign")
     parser.add_argument("--threads", type=int)
+    parser.add_argument(
+        "--mixture",
+        type=parse_mixture,
+        help="source=weight,... from the next step on "
+        f"(default: the run's own; a new run's: {','.join(f'{k}={v}' for k, v in CAMPAIGN_MIXTURE.items())})",
+    )
     parser.add_argument("--no-eval", action="store_true", help="train only (no evaluation, no promotion)")
-    parser.add_argument("--no-promote", action="store_true", help="evaluate but leave the shipped folders as they are")
+    parser.add_argument(
+        "--no-promote", action="store_true", help="evaluate but leave the shipped folders as they are"
+    )
+
+
+def parse_mixture(text: str) -> dict[str, float]:
+    """'no_fly_zones=0.5,chat=0.3' -> {"no_fly_zones": 0.5, "chat": 0.3} (the sources are checked by the data)."""
+    try:
+        mixture = {
+            name.strip(): float(weight) for name, weight in (part.split("=") for part in text.split(","))
+        }
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a mixture is source=weight,... (got {text!r})") from None
+    if not mixture or any(w < 0 for w in mixture.values()) or not sum(mixture.values()) > 0:
+        raise argparse.ArgumentTypeError(f"a mixture needs weights >= 0 with a positive sum (got {text!r})")
+    return mixture
 
 
 def run_from_args(args) -> dict:
@@ -219,6 +275,6 @@ def run_from_args(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = CampaignConfig(minutes=args.minutes, out=args.out, models=args.models, device=args.device, prompts=args.prompts,
-                         rows_per_step=args.rows_per_step, tokens_per_step=args.tokens_per_step, evaluate=not args.no_eval,
-                         promote=not args.no_promote)  # fmt: skip
+                         rows_per_step=args.rows_per_step, tokens_per_step=args.tokens_per_step, mixture=args.mixture,
+                         evaluate=not args.no_eval, promote=not args.no_promote)  # fmt: skip
     return run_campaign(cfg)
