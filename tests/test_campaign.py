@@ -214,6 +214,12 @@ def test_an_evaluation_cut_short_resumes_at_the_first_point_it_lacks(tmp_path, m
     assert (
         campaign.evaluate_folder(folder, 2, cache=True, cache_file=cache_file) == result and len(asked) == 5
     )
+    # a point whose decoding changed since (its version) is recomputed; the others are kept
+    stored = json.loads(cache_file.read_text())
+    stored["versions"]["no_fly_b16"] -= 1
+    cache_file.write_text(json.dumps(stored))
+    again = campaign.evaluate_folder(folder, 2, cache=True, cache_file=cache_file)
+    assert asked[5:] == [("no_fly_zones", 16)] and again["versions"] == result["versions"]
     assert (
         campaign.evaluate_folder(folder, 3, cache=True, cache_file=cache_file)["points"]["no_fly_b1"]
         == [1.0] * 3

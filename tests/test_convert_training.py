@@ -36,11 +36,15 @@ def test_the_default_mixture_builds_a_step_batch_with_chat(base_tokenizer):
     assert batch.clean_ids.shape[0] == 2 and batch.noisy.input_ids.shape[0] == 2
     assert batch.scored.any() and batch.answer_mask.any()
     counts = batch.token_counts()
-    assert counts["clean"] == int(batch.clean_lengths.sum()) and 0 < counts["noisy"] <= batch.noisy.block.numel()
+    assert (
+        counts["clean"] == int(batch.clean_lengths.sum()) and 0 < counts["noisy"] <= batch.noisy.block.numel()
+    )
     chat_only = ConversionData(base_tokenizer, ConvertConfig(mixture={"chat": 1.0})).row_segments(3)
     prompts = {tuple(data.chat_segment(record).prompt) for record in data.chat}
     assert all(tuple(segment.prompt) in prompts for segment in chat_only)
-    assert data.step_batch(5).clean_ids.equal(ConversionData(base_tokenizer, cfg).step_batch(5).clean_ids)  # pure in step
+    assert data.step_batch(5).clean_ids.equal(
+        ConversionData(base_tokenizer, cfg).step_batch(5).clean_ids
+    )  # pure in step
 
 
 def test_unknown_sources_and_missing_trajectories_are_clear_errors(base_tokenizer, tmp_path):
@@ -94,12 +98,18 @@ def test_padded_packed_rows_give_the_loss_and_gradients_of_unpadded_rows(loss_fn
     with torch.no_grad():
         if loss_fn == "diffusion":
             every = torch.ones_like(packed.scored)
-            both = model(packed.clean_ids, noisy_blocks=packed.noisy, logits_mask=every).logits.view(2, -1, 97)
+            both = model(packed.clean_ids, noisy_blocks=packed.noisy, logits_mask=every).logits.view(
+                2, -1, 97
+            )
             for row in range(2):
                 n, length = int((packed.noisy.block[row] >= 0).sum()), int(packed.clean_lengths[row])
                 noisy = type(packed.noisy)(*(t[row : row + 1, :n] for t in (packed.noisy.input_ids, packed.noisy.positions,
                                                                               packed.noisy.block, packed.noisy.history)))  # fmt: skip
-                alone = model(packed.clean_ids[row : row + 1, :length], noisy_blocks=noisy, logits_mask=torch.ones(1, n, dtype=torch.bool)).logits
+                alone = model(
+                    packed.clean_ids[row : row + 1, :length],
+                    noisy_blocks=noisy,
+                    logits_mask=torch.ones(1, n, dtype=torch.bool),
+                ).logits
                 assert (alone - both[row, :n]).abs().max() < 1e-5
         else:
             both = model(input_ids=packed.clean_ids).logits
@@ -130,8 +140,16 @@ def test_trajectory_prompts_are_a_pure_function_of_seed_and_index():
     assert all(e.seed < 1_000_000_000 for e in first)  # never a held-out seed
     with pytest.raises(CloverError, match="names no task to distil"):
         trajectory_example(0, {"chat": 1.0}, 0, 0.3)
-    records = [{"task": "arithmetic", "kept": True}, {"task": "arithmetic", "kept": False}, {"task": "tool_call", "kept": True}]
-    assert summarize(records) == {"tried": 3, "kept": 2, "by_task": {"arithmetic": {"tried": 2, "kept": 1}, "tool_call": {"tried": 1, "kept": 1}}}
+    records = [
+        {"task": "arithmetic", "kept": True},
+        {"task": "arithmetic", "kept": False},
+        {"task": "tool_call", "kept": True},
+    ]
+    assert summarize(records) == {
+        "tried": 3,
+        "kept": 2,
+        "by_task": {"arithmetic": {"tried": 2, "kept": 1}, "tool_call": {"tried": 1, "kept": 1}},
+    }
 
 
 def test_a_bad_device_or_init_adapter_is_a_clear_error(tmp_path):
@@ -144,31 +162,58 @@ def test_a_bad_device_or_init_adapter_is_a_clear_error(tmp_path):
             resolve_device("cuda")
     assert resolve_device("cpu").type == "cpu"
     with pytest.raises(CloverError, match="not an adapter folder"):
-        ConvertTrainer(ConvertConfig(mixture={"arithmetic": 1.0}, init_adapter=str(tmp_path), out=str(tmp_path / "o")))
+        ConvertTrainer(
+            ConvertConfig(mixture={"arithmetic": 1.0}, init_adapter=str(tmp_path), out=str(tmp_path / "o"))
+        )
 
 
 @pytest.mark.slow
 def test_warm_start_records_lineage_and_resumes_with_its_tokens(tmp_path):
     """Two steps, then a warm start for one more from that adapter: the child names its parent and counts
     the lineage's steps and tokens; resuming keeps the counts."""
-    small = {"mixture": {"arithmetic": 1.0}, "tokens_per_step": 120, "eval_every": 100, "checkpoint_every": 1, "device": "cpu"}
+    small = {
+        "mixture": {"arithmetic": 1.0},
+        "tokens_per_step": 120,
+        "eval_every": 100,
+        "checkpoint_every": 1,
+        "device": "cpu",
+    }
     first = ConvertTrainer(ConvertConfig(out=str(tmp_path / "a"), max_steps=2, **small)).run()
     parent = json.loads((tmp_path / "a" / "adapter" / "clover_adapter.json").read_text())
     assert parent["parent"] is None and parent["total_steps"] == 2 and parent["device"].startswith("cpu")
     assert parent["tokens"]["clean"] > 0 and parent["tokens"]["noisy"] > 0
-    assert parent["total_tokens"] == parent["tokens"]["clean"] + parent["tokens"]["noisy"] == first["total_tokens"]
+    assert (
+        parent["total_tokens"]
+        == parent["tokens"]["clean"] + parent["tokens"]["noisy"]
+        == first["total_tokens"]
+    )
     with pytest.raises(CloverError, match="a diffusion adapter of rank 32, but this run trains a ar adapter"):
-        ConvertTrainer(ConvertConfig(out=str(tmp_path / "x"), objective="ar", init_adapter=str(tmp_path / "a" / "adapter"), **small))
-    child_cfg = ConvertConfig(out=str(tmp_path / "b"), max_steps=1, init_adapter=str(tmp_path / "a" / "adapter"), **small)
+        ConvertTrainer(
+            ConvertConfig(
+                out=str(tmp_path / "x"), objective="ar", init_adapter=str(tmp_path / "a" / "adapter"), **small
+            )
+        )
+    child_cfg = ConvertConfig(
+        out=str(tmp_path / "b"), max_steps=1, init_adapter=str(tmp_path / "a" / "adapter"), **small
+    )
     child = ConvertTrainer(child_cfg)
     adapter_weights = {k: v for k, v in child.model.named_parameters() if "lora_B" in k}
     assert any(v.abs().max() > 0 for v in adapter_weights.values())  # LoRA B starts at zero: these are loaded
     child.run()
     meta = json.loads((tmp_path / "b" / "adapter" / "clover_adapter.json").read_text())
-    assert meta["parent"] == adapter_lineage(tmp_path / "a" / "adapter") and meta["steps"] == 1 and meta["total_steps"] == 3
+    assert (
+        meta["parent"] == adapter_lineage(tmp_path / "a" / "adapter")
+        and meta["steps"] == 1
+        and meta["total_steps"] == 3
+    )
     assert meta["total_tokens"] == parent["total_tokens"] + meta["tokens"]["clean"] + meta["tokens"]["noisy"]
-    resumed = ConvertTrainer(ConvertConfig(**(child_cfg.__dict__ | {"max_steps": 2})), resume=True)
+    # a resumed run may be taught another mixture (the campaign's --mixture), not another schedule
+    resumed = ConvertTrainer(
+        ConvertConfig(**(child_cfg.__dict__ | {"max_steps": 2, "mixture": {"chat": 1.0}})), resume=True
+    )
     assert resumed.tokens == meta["tokens"] and resumed.parent == meta["parent"]
+    with pytest.raises(CloverError, match="different configuration than the checkpoint's: lr"):
+        ConvertTrainer(ConvertConfig(**(child_cfg.__dict__ | {"lr": 1e-3})), resume=True)
 
 
 def test_trajectories_are_written_as_they_arrive_and_resume(tokenizer, random_model, tmp_path):
@@ -209,8 +254,14 @@ def test_the_distill_recipe_trains_on_kept_trajectories(base_tokenizer, tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     assert '"tried": 2, "kept": 1' in done.stdout
     meta = json.loads((out / "adapter" / "clover_adapter.json").read_text())
-    assert meta["config"]["certainty_weight"] == 0.5 and meta["config"]["mixture"] == {"distill": 0.75, "chat": 0.25}
-    assert meta["parent"]["path"] == str(BASE_TOKENIZER) and meta["total_steps"] == meta["parent"]["total_steps"] + 1
+    assert meta["config"]["certainty_weight"] == 0.5 and meta["config"]["mixture"] == {
+        "distill": 0.75,
+        "chat": 0.25,
+    }
+    assert (
+        meta["parent"]["path"] == str(BASE_TOKENIZER)
+        and meta["total_steps"] == meta["parent"]["total_steps"] + 1
+    )
     assert not (out / "adapter" / "tokenizer.json").exists()  # trained with the base's tokenizer: not copied
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert "certainty_entropy" in log[0]

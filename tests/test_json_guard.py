@@ -202,3 +202,20 @@ def test_a_string_under_a_pattern_is_closed_by_a_short_match(smol, block_size, p
     row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, block_size, max_new_tokens=64)
     path = json.loads(tokenizer.decode(row.generated))["path"]
     assert row.finish_reason == "stop" and re.search(pattern, path) and "hello" in path, path
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_value_is_not_cut_where_the_model_is_unsure_and_the_budget_has_room(smol, block_size):
+    """Seen in the campaign's tool_call point (exact 0.15 at B = 16, 1.0 at B = 1): `"date":"202"`. Near
+    its budget the grammar narrows its mask to the short ending's next token, the closing quote; masked
+    to that one token the model looked sure of it, and the threshold rule closed the string at the
+    first target the model was unsure of. Here the model is never sure of its digits (four at equal odds):
+    the string goes on as at B = 1 (until the loop guard closes it), at every block size."""
+    tokenizer, grammars = smol
+    logits = torch.full((len(tokenizer),), -20.0)
+    logits[[_ids(tokenizer, digit)[0] for digit in "2016"]] = 10.0
+    schema = {"type": "object", "properties": {"date": {"type": "string"}, "units": {"enum": ["celsius", "fahrenheit"]}},
+              "required": ["date", "units"], "additionalProperties": False}
+    row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, block_size, max_new_tokens=40)
+    answer = json.loads(tokenizer.decode(row.generated))
+    assert row.finish_reason == "stop" and len(answer["date"]) >= 10, answer

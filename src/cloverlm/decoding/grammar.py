@@ -206,6 +206,8 @@ class GrammarConstraint:
         self.refused = {"guard": 0, "budget": 0}  # model choices the grammar allowed but these rules did not
         self._ending: list[int] | None = None
         self._ending_at = -RECHECK  # when `_ending` was looked for (in tokens used)
+        self._mask: torch.Tensor | None = None
+        self._mask_at = -1  # the grammar's mask and when it was computed (in tokens used)
 
     def copy(self) -> GrammarConstraint:
         """The same grammar in its current state, for another choice of the same request (n > 1)."""
@@ -219,13 +221,18 @@ class GrammarConstraint:
     def finished(self) -> bool:
         return self.matcher.is_accepting()
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self, within_budget: bool = True) -> torch.Tensor:
         """The grammar's mask; once the budget comes within WATCH tokens of a short ending, only tokens
         after which such an ending fits: the ending's next token, and those of a small mask that fit.
         `allows` accepts any token that fits, so the engine's greedy choice keeps its own way to close
         where it has room (it asks `allows` first). Before the watch, near the budget, a few openers that
-        would leave no room are taken out (`_checks_openers`)."""
-        mask = self.grammars.mask(self.matcher, self.state)
+        would leave no room are taken out (`_checks_openers`). within_budget=False: the grammar's mask
+        alone, which the engine measures the model's confidence against."""
+        if self._mask_at != self.used:  # the engine may ask twice at one position (see within_budget)
+            self._mask, self._mask_at = self.grammars.mask(self.matcher, self.state), self.used
+        mask = self._mask
+        if not within_budget:
+            return mask
         ending = self._near_ending()
         if ending is None:
             if self._checks_openers():

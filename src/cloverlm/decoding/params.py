@@ -72,9 +72,10 @@ def drafts_supported(config) -> bool:
 class Constraint(Protocol):
     """The grammar state of one request, advanced over the tokens it generates (in order)."""
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self, within_budget: bool = True) -> torch.Tensor:
         """Bool [vocab] of the tokens that may come next; never empty (a finished grammar allows its end
-        tokens, which should be stop tokens of the request)."""
+        tokens, which should be stop tokens of the request). within_budget=False: without the narrowing
+        near the end of the budget (`limit`), the same where a grammar has none."""
         ...
 
     def allows(self, token: int) -> bool:

@@ -29,7 +29,19 @@ METRIC = {"no_fly_zones": "zone_exact_match", "no_fly_zones_unseen": "zone_exact
 # point -> (task, block size); the peer decodes one token a step, so its points are the B = 1 ones
 CLOVER_POINTS = {"no_fly_b1": ("no_fly_zones", 1), "no_fly_b16": ("no_fly_zones", 16),
                  "unseen_b16": ("no_fly_zones_unseen", 16), "tool_call_b16": ("tool_call", 16)}  # fmt: skip
-PEER_POINTS = {"no_fly_b1": ("no_fly_zones", 1), "unseen_b1": ("no_fly_zones_unseen", 1), "tool_call_b1": ("tool_call", 1)}
+PEER_POINTS = {
+    "no_fly_b1": ("no_fly_zones", 1),
+    "unseen_b1": ("no_fly_zones_unseen", 1),
+    "tool_call_b1": ("tool_call", 1),
+}
+# Points whose decoding changed since EVAL_VERSION: only their cached scores are recomputed (a pair's
+# evaluation is two hours of CPU). 3: under a grammar, the threshold rule reads the model's confidence under
+# the grammar alone, not under the budget's narrowed mask (decoding/unmask.py; it changes B > 1 only).
+POINT_VERSIONS = {point: 3 for point, (_, block_size) in CLOVER_POINTS.items() if block_size > 1}
+
+
+def point_version(point: str) -> int:
+    return POINT_VERSIONS.get(point, EVAL_VERSION)
 
 
 def _key(folder: Path, prompts: int) -> dict:
@@ -37,8 +49,13 @@ def _key(folder: Path, prompts: int) -> dict:
     return {"version": EVAL_VERSION, "prompts": prompts, "adapter_sha256": digest}
 
 
-def evaluate_folder(folder: str | Path, prompts: int = 20, cache: bool = False, write_cache: bool = True,
-                    cache_file: Path | None = None) -> dict:
+def evaluate_folder(
+    folder: str | Path,
+    prompts: int = 20,
+    cache: bool = False,
+    write_cache: bool = True,
+    cache_file: Path | None = None,
+) -> dict:
     """{"points": {point: [score per prompt]}, "summary": {point: mean, ...}, "key": ...} for an adapter
     folder (Clover or the peer). cache=True reads folder/eval/campaign.json (or `cache_file`) where it holds
     this adapter's scores at these prompts, and (write_cache) writes each point there as it is computed: an
@@ -54,10 +71,20 @@ def evaluate_folder(folder: str | Path, prompts: int = 20, cache: bool = False, 
     stored = stored if stored.get("key") == key else {}
     peer = is_peer_folder(folder)
     wanted = PEER_POINTS if peer else CLOVER_POINTS
-    points, summary = dict(stored.get("points", {})), dict(stored.get("summary", {}))
-    result = {"key": key, "folder": str(folder), "points": points, "summary": summary}
+    versions = stored.get("versions", {})  # a cache written before point versions holds EVAL_VERSION's
+    stale = {
+        point
+        for point in stored.get("points", {})
+        if versions.get(point, EVAL_VERSION) != point_version(point)
+    }
+    points = {point: scores for point, scores in stored.get("points", {}).items() if point not in stale}
+    summary = {name: value for name, value in stored.get("summary", {}).items()
+               if not any(name == point or name.startswith(point + "_") for point in stale)}  # fmt: skip
+    result = {"key": key, "folder": str(folder), "points": points, "summary": summary,
+              "versions": {point: point_version(point) for point in points}}  # fmt: skip
 
     def keep() -> None:
+        result["versions"] = {point: point_version(point) for point in points}
         if cache and write_cache:
             cached.parent.mkdir(parents=True, exist_ok=True)
             cached.write_text(json.dumps(result, indent=1) + "\n")

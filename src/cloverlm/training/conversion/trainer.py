@@ -56,8 +56,6 @@ def adapter_lineage(folder: str | Path) -> dict:
             "total_steps": meta.get("total_steps", meta.get("steps")), "total_tokens": meta.get("total_tokens")}  # fmt: skip
 
 
-
-
 def frozen_linears_to(peft_model, dtype: torch.dtype) -> None:
     """The frozen base weights of the adapted linear layers in `dtype`, the one autocast multiplies them
     in: autocast then casts no weight on every forward (its copies took 0.9 s of a 10.9 s CPU step). The
@@ -69,7 +67,7 @@ def frozen_linears_to(peft_model, dtype: torch.dtype) -> None:
             base.weight.data = base.weight.data.to(dtype)
 
 
-RESUME_MAY_CHANGE = ("max_steps", "minutes", "out", "init_adapter", "device")
+RESUME_MAY_CHANGE = ("max_steps", "minutes", "out", "init_adapter", "device", "mixture")
 
 
 class ConvertTrainer(Loop):
@@ -86,8 +84,10 @@ class ConvertTrainer(Loop):
         super().__init__(cfg, resume, tokens={"clean": 0, "noisy": 0}, parent=None)
         if self.saved is not None:
             stored = asdict(ConvertConfig()) | self.saved["config"]  # fields added since take their defaults
-            # what may differ: the length, where the run folder and the warm start's folder now are, and the
-            # machine (a run moves between sessions and devices); the data, model and schedule may not
+            # what may differ: the length, where the run folder and the warm start's folder now are, the
+            # machine (a run moves between sessions and devices) and the mixture (a step's batch is a function of
+            # the step and the config, so the run still resumes exactly; campaign.py changes it only when asked);
+            # the model, the schedule and the step's shape may not
             free = {key: stored[key] for key in RESUME_MAY_CHANGE}
             if stored != asdict(cfg) | free:
                 changed = sorted(k for k, v in asdict(cfg).items() if k not in free and stored.get(k) != v)
@@ -99,7 +99,9 @@ class ConvertTrainer(Loop):
         # there attention takes only what the mask allows (NoisyBlocks.segments)
         self.segmented = not on_cuda and cfg.objective == "diffusion"
         self.row_by_row = not on_cuda  # micro_batches
-        self.pad_multiple = (GPU_PAD_MULTIPLE if on_cuda else 1) if cfg.pad_multiple is None else cfg.pad_multiple
+        self.pad_multiple = (
+            (GPU_PAD_MULTIPLE if on_cuda else 1) if cfg.pad_multiple is None else cfg.pad_multiple
+        )
         model, self.tokenizer = converted(cfg.base) if cfg.objective == "diffusion" else load_base(cfg.base)
         self.model = with_adapter(model, cfg.objective, cfg.lora_rank, cfg.lora_alpha).to(self.device).train()
         if self.bf16:
@@ -111,7 +113,9 @@ class ConvertTrainer(Loop):
             self._init_from(cfg.init_adapter)
         self.start()
         self.data = ConversionData(self.tokenizer, cfg)
-        self.heldout = [self.data.task_segment("no_fly_zones", HELDOUT_SEED_BASE + i, n_messages=20) for i in range(2)]
+        self.heldout = [
+            self.data.task_segment("no_fly_zones", HELDOUT_SEED_BASE + i, n_messages=20) for i in range(2)
+        ]
         self.heldout += [self.data.task_segment("tool_call", HELDOUT_SEED_BASE + i) for i in range(2)]
 
     @property
@@ -179,7 +183,9 @@ class ConvertTrainer(Loop):
         totals: dict[str, float] = {}
         for segment in self.heldout:
             with self.autocast():
-                batch = build_batch([[segment]], self.data.end_id, self.data.mask_id, generator, segmented=self.segmented)
+                batch = build_batch(
+                    [[segment]], self.data.end_id, self.data.mask_id, generator, segmented=self.segmented
+                )
                 _, stats = self.objective_loss(batch)
             for key in ("noisy_nll", "ar_nll", "noisy_acc", "ar_acc"):
                 if key in stats:
