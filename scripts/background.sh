@@ -1,4 +1,4 @@
-# Sourced by the scripts that train for hours (train_campaign.sh, graft_stage1.sh). The machine has two
+# Sourced by the scripts that train for hours (train_campaign.sh, graft.sh). The machine has two
 # cores: one training at a time, whichever script started it (every such run keeps runs/<name>/pid).
 #   refuse_if_training            exit 1 if a run under runs/ still has a live pid
 #   launch OUT LOG WHAT CMD...    CMD in the background (nohup, OUT/pid), or with FOREGROUND=1 in the

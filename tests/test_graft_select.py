@@ -1,4 +1,4 @@
-"""Which layers of a graft stay attention (issue 30, item 3; training/graft_select.py, convert/graft.py's
+"""Which layers of a graft stay attention (issue 30, item 3; training/graft/select.py, convert/graft.py's
 restore_attention): each candidate restored to the teacher's attention and scored, on tiny converted Llamas
 with the packaged base's tokenizer."""
 
@@ -15,7 +15,7 @@ from cloverlm.convert.load import load_model
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import save_model
 from cloverlm.model.config import ATTENTION, MEMORY
-from cloverlm.training.graft_select import (
+from cloverlm.training.graft.select import (
     PLOT_FILE,
     REPORT_FILE,
     SelectConfig,

@@ -1,4 +1,4 @@
-"""Stage 1 of the memory graft (issue 30, item 2; training/graft_stage1.py): each grafted memory layer fitted to
+"""Stage 1 of the memory graft (issue 30, item 2; training/graft/stage1.py): each grafted memory layer fitted to
 its teacher attention's output, on a tiny converted Llama with the packaged base's tokenizer."""
 
 import hashlib
@@ -15,7 +15,7 @@ from cloverlm.convert.load import load_model
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import save_model
 from cloverlm.model.config import ATTENTION, MEMORY
-from cloverlm.training.graft_stage1 import GraftStage1, Stage1Config
+from cloverlm.training.graft.stage1 import GraftStage1, Stage1Config
 from test_graft import converted_llama
 from test_training_loop import crash_at, logged
 
@@ -30,12 +30,17 @@ def digest(folder) -> str:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """(teacher, student) folders: a tiny converted Llama and its graft, with a tokenizer the mixture encodes."""
-    root = tmp_path_factory.mktemp("stage1")
+    teacher, student = grafted_folders(tmp_path_factory.mktemp("stage1"), GRAFTED)
+    TEACHER_DIGEST[:] = [digest(teacher)]
+    return teacher, student
+
+
+def grafted_folders(root, grafted: list[int]):
+    """(teacher, student): a tiny 4-layer converted Llama and its graft at `grafted`, saved under root."""
     tokenizer = base_tokenizer()
     teacher = converted_llama(vocab_size=len(tokenizer), layers=4)
     save_model(teacher, tokenizer, root / "teacher")
-    TEACHER_DIGEST[:] = [digest(root / "teacher")]
-    save_model(graft_memory(teacher, GRAFTED, calibration=calibration_ids(tokenizer, 64)), tokenizer, root / "student")
+    save_model(graft_memory(teacher, grafted, calibration=calibration_ids(tokenizer, 64)), tokenizer, root / "student")
     return root / "teacher", root / "student"
 
 

@@ -32,7 +32,7 @@ from cloverlm.serving.schemas import ServerConfig
 from cloverlm.tasks import HELD_OUT, SUITE
 from cloverlm.training import calibrate
 from cloverlm.training.conversion import campaign
-from cloverlm.training.graft_select import REPORT_FILE, SelectConfig
+from cloverlm.training.graft.select import REPORT_FILE, SelectConfig
 from cloverlm.training.scratch.data import DEFAULT_VOCAB_SIZE
 from cloverlm.training.scratch.recipe import TrainConfig
 
@@ -84,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="block-diffusion training")
     p.add_argument("--preset", default=TrainConfig.preset)
-    p.add_argument("--recipe", default=TrainConfig.recipe, choices=("default", "convert", "distill", "graft-stage1"),
+    p.add_argument("--recipe", default=TrainConfig.recipe, choices=("default", "convert", "distill", "graft-stage1", "graft-stage2"),
                    help="default (from scratch), convert (LoRA over --base), distill (an adapter's own right answers) or "
-                        "graft-stage1 (a graft's memory layers fitted to --teacher's attention, layer by layer)")
+                        "graft-stage1 (a graft's memory layers fitted to --teacher's attention, layer by layer), "
+                        "graft-stage2 (then the whole graft on logit KL against --teacher)")
     p.add_argument("--base", default=DEFAULT_BASE, help="--recipe convert: a packaged base or a model folder")
     p.add_argument(
         "--arch", default=TrainConfig.arch,
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-adapter", help="start from this adapter folder (fresh optimizer and warm-up)")
     g.add_argument("--certainty-weight", type=float, help="certainty forcing on right noisy predictions (distill: 0.5)")
     g.add_argument("--trajectories", type=int, default=256, help="--recipe distill: prompts answered one token a step")
-    g = p.add_argument_group("--recipe graft-stage1 (also --seq-len, --rows-per-step, --lr, --warmup-steps, --device, --fp32)")
+    g = p.add_argument_group("--recipe graft-stage1 and graft-stage2 (also --seq-len, --rows-per-step, --lr, --warmup-steps, --device, --fp32)")
     g.add_argument("--teacher", help="the all-attention model the student was grafted from (a Clover or adapter folder)")
     g.add_argument("--student", help="the graft (clover convert --graft memory); on --resume the checkpoint is used")
     p.set_defaults(func=cmd_train)

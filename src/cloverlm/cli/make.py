@@ -66,8 +66,8 @@ def cmd_tokenizer(args) -> None:
 def cmd_train(args) -> None:
     if args.recipe in ("convert", "distill"):
         return _train_convert(args)
-    if args.recipe == "graft-stage1":
-        return _train_graft_stage1(args)
+    if args.recipe in ("graft-stage1", "graft-stage2"):
+        return _train_graft(args)
     from cloverlm.training.scratch.recipe import TrainConfig
     from cloverlm.training.scratch.train import Trainer
 
@@ -128,17 +128,20 @@ def _train_convert(args) -> None:
     print(json.dumps(ConvertTrainer(cfg, resume=args.resume).run()))
 
 
-def _train_graft_stage1(args) -> None:
+def _train_graft(args) -> None:
     """--recipe graft-stage1: the grafted memory layers of --student fitted, layer by layer, to --teacher's
-    attention (training/graft_stage1.py)."""
+    attention (training/graft/stage1.py); graft-stage2: the whole student on logit KL against --teacher
+    (training/graft/stage2.py)."""
     import torch
 
-    from cloverlm.training.graft_stage1 import GraftStage1, Stage1Config
+    from cloverlm.training.graft.stage1 import GraftStage1, Stage1Config
+    from cloverlm.training.graft.stage2 import GraftStage2, Stage2Config
 
     if not args.teacher or not args.student:
-        raise CloverError("--recipe graft-stage1 needs --teacher DIR and --student DIR (clover convert --graft memory)")
+        raise CloverError(f"--recipe {args.recipe} needs --teacher DIR and --student DIR (clover convert --graft memory)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    stage, config = (GraftStage1, Stage1Config) if args.recipe == "graft-stage1" else (GraftStage2, Stage2Config)
     fields = {"teacher": args.teacher, "student": args.student, "out": args.out, "seed": args.seed}
     for name in ("max_steps", "minutes", "seq_len", "rows_per_step", "lr", "warmup_steps", "checkpoint_every", "device"):
         value = getattr(args, name)
@@ -146,7 +149,7 @@ def _train_graft_stage1(args) -> None:
             fields[name] = value
     if args.fp32:
         fields["bf16"] = False
-    print(json.dumps(GraftStage1(Stage1Config(**fields), resume=args.resume).run()))
+    print(json.dumps(stage(config(**fields), resume=args.resume).run()))
 
 
 def _distill_trajectories(args, fields):
@@ -232,10 +235,10 @@ def _numbers(text: str, kind, option: str) -> tuple:
 
 
 def cmd_graft_select(args) -> None:
-    """Which candidate layers of a graft stay attention (training/graft_select.py); prints the summary."""
+    """Which candidate layers of a graft stay attention (training/graft/select.py); prints the summary."""
     import torch
 
-    from cloverlm.training.graft_select import REPORT_FILE, SelectConfig, select_layers
+    from cloverlm.training.graft.select import REPORT_FILE, SelectConfig, select_layers
 
     if args.threads:
         torch.set_num_threads(args.threads)

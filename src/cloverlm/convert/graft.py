@@ -212,7 +212,7 @@ def restore_attention(
     back into the teacher's attention, its q/k/v/o copied from `teacher`; every other weight (the layer's
     norms and feed-forward included, which stage 2 may train) is the student's. The inverse of
     `graft_memory` for the mixers: restoring every grafted layer gives the teacher again. Used to score
-    which layers stay attention (training/graft_select.py)."""
+    which layers stay attention (training/graft/select.py)."""
     check_graft_of(teacher, student)
     t, s = teacher.config, student.config
     layers = _layer_indices(layers, s.num_hidden_layers, "restore")

@@ -214,7 +214,7 @@ def rank(candidates: list[dict]) -> list[int]:
 
 def select_layers(cfg: SelectConfig, progress: bool = True) -> dict:
     """Score every candidate, choose `keep`, write the report and the plot into cfg.out; returns the report."""
-    from cloverlm.training.graft_stage1 import grafted_layers  # with matplotlib: not at `clover --help`
+    from cloverlm.training.graft.base import grafted_layers
 
     start = time.time()
     device = resolve_device(cfg.device)

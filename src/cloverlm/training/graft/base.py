@@ -1,0 +1,191 @@
+"""What the graft's training stages share (stage1.py, stage2.py): the teacher, the student, the trained mixers.
+
+The teacher is the all-attention model the student was grafted from (convert/graft.py), frozen, in bf16
+where the hardware multiplies it (checkpoint.multiplies_bf16, the rule that decoding and the conversion
+trainer follow), else fp32. The student is the graft, in fp32; what trains is the mixer (`linear_attn`) of
+each memory layer that is attention in the teacher, with AdamW and no weight decay: the mixers start from the
+attention's weights, and weight decay would pull them away. A checkpoint is the student as a plain Clover
+folder (loadable by load_model) with the optimizer's state and the loop's; --resume continues from it, and the
+teacher is loaded again from its folder.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from torch import nn
+
+from cloverlm.convert.graft import check_graft_of
+from cloverlm.convert.load import load_folder_tokenizer, load_model
+from cloverlm.errors import CloverError
+from cloverlm.model.checkpoint import atomic_write_dir, multiplies_bf16, save_model
+from cloverlm.model.config import ATTENTION, MEMORY
+from cloverlm.model.layout import block_partition
+from cloverlm.training.conversion.config import ConvertConfig
+from cloverlm.training.conversion.data import ConversionData
+from cloverlm.training.conversion.objective import CONVERT_BLOCK_SIZES
+from cloverlm.training.conversion.trainer import device_label, resolve_device
+from cloverlm.training.loop import Loop
+
+STUDENT_DIR = "student"
+RESUME_MAY_CHANGE = ("teacher", "student", "out", "max_steps", "minutes", "device")
+
+
+@dataclass
+class GraftStageConfig:
+    teacher: str = ""  # the all-attention model (plain Clover or adapter folder)
+    student: str = ""  # its graft (clover convert --graft memory), or an earlier stage's student
+    out: str = ""
+    seed: int = 0
+    mixture: dict[str, float] = field(default_factory=lambda: ConvertConfig().mixture)  # the conversion trainer's
+    seq_len: int = 512  # positions per packed row (a multiple of 4, the smallest block size)
+    rows_per_step: int = 2
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    max_steps: int | None = None
+    minutes: float | None = None
+    # No held-out evaluation: every batch is new data, so each step's loss is measured before any update on it.
+    eval_every: int = 10**9
+    checkpoint_every: int | None = None  # steps; None: every checkpoint_minutes
+    checkpoint_minutes: float = 10.0
+    device: str = "cpu"
+    bf16: bool | None = None  # the teacher's dtype; None: bf16 where the hardware multiplies it
+
+
+def grafted_layers(teacher, student) -> list[int]:
+    """The student's memory layers that are attention layers in the teacher: the layers the stages train."""
+    check_graft_of(teacher, student)
+    t, s = teacher.config, student.config
+    layers = [
+        i for i, (a, b) in enumerate(zip(t.layer_types, s.layer_types)) if a == ATTENTION and b == MEMORY
+    ]
+    if not layers:
+        raise CloverError(
+            "the student has no memory layer in place of a teacher's attention layer: nothing to train"
+        )
+    return layers
+
+
+def logged_by_step(log_path: Path, key: str) -> dict:
+    """{step: record[key]} of train_log.jsonl's records that have `key`; a replayed step (after a crash and
+    --resume) replaces the line the interrupted run wrote."""
+    by_step = {}
+    for line in log_path.read_text().splitlines() if log_path.is_file() else []:
+        record = json.loads(line)
+        if key in record:
+            by_step[record["step"]] = record[key]
+    return by_step
+
+
+def plot_log(log_path: Path, png_path: Path, key: str, ylabel: str, title: str) -> None:
+    """train_log.jsonl's `key` against the step, log scale: one line, or one a layer where the records hold
+    {layer: value} (shallow to deep: dark to light)."""
+    by_step = logged_by_step(log_path, key)
+    if not by_step:
+        return
+    steps = sorted(by_step)
+    first = by_step[steps[0]]
+    lines = sorted(first, key=int) if isinstance(first, dict) else [None]
+    figure = Figure(figsize=(8, 5))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for n, layer in enumerate(lines):
+        values = [by_step[s] if layer is None else by_step[s][layer] for s in steps]
+        colour = colormaps["viridis"](n / max(1, len(lines) - 1))
+        axes.plot(steps, values, lw=0.8, color=colour, label=None if layer is None else f"layer {layer}")
+    axes.set(yscale="log", xlabel="step", ylabel=ylabel, title=title)
+    if len(lines) > 1:
+        axes.legend(fontsize=6, ncol=max(1, len(lines) // 12), loc="upper right")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=120)
+
+
+class GraftLoop(Loop):
+    """A stage's loop: its config has teacher, student, out, device, bf16 (None: where the hardware multiplies
+    it), seed, mixture, seq_len and rows_per_step. A stage adds its batch (from `rows` and `partition`), its
+    loss and its curve (`plot`)."""
+
+    log_steps_done = True
+    plot_file = "loss.png"
+
+    def __init__(self, cfg, resume: bool = False):
+        if cfg.seq_len < 4 or cfg.seq_len % min(CONVERT_BLOCK_SIZES):
+            raise CloverError(
+                f"seq_len must be a positive multiple of {min(CONVERT_BLOCK_SIZES)}, got {cfg.seq_len}"
+            )
+        self.device = resolve_device(cfg.device)
+        super().__init__(cfg, resume, tokens=0)
+        if self.saved is not None:
+            stored, given = self.saved["config"], asdict(cfg)
+            changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and stored.get(k) != given[k])
+            if changed:
+                raise CloverError(f"--resume with a different configuration than the checkpoint's: {', '.join(changed)} "
+                                  f"(only {', '.join(RESUME_MAY_CHANGE)} may change)")  # fmt: skip
+        self.teacher_bf16 = multiplies_bf16(self.device) if cfg.bf16 is None else cfg.bf16
+        self.teacher = load_model(cfg.teacher, torch.bfloat16 if self.teacher_bf16 else torch.float32).to(
+            self.device
+        )
+        self.teacher.requires_grad_(False)
+        self.tokenizer = load_folder_tokenizer(cfg.teacher)
+        # on resume the checkpoint is the student: its trained mixers, everything else as grafted
+        self.student = (
+            load_model(self.resumed or cfg.student, torch.float32).to(self.device).requires_grad_(False)
+        )
+        self.layers = grafted_layers(self.teacher, self.student)
+        self.model = nn.ModuleDict({str(i): self.student.model.layers[i].linear_attn for i in self.layers})
+        self.model.requires_grad_(True)
+        self.start()
+        self.data = ConversionData(self.tokenizer, ConvertConfig(seed=cfg.seed, mixture=cfg.mixture))
+        self.block_sizes = [s for s in CONVERT_BLOCK_SIZES if s <= self.student.config.max_block_size]
+
+    def rows(self, step: int, length: int) -> torch.Tensor:
+        """[rows_per_step, length] chat-formatted examples of the mixture, one after another in each row, a pure
+        function of (seed, step). A row's last example is cut: a row has no padding, which the mixers'
+        bidirectional blocks would see."""
+        rows = []
+        for row in range(self.cfg.rows_per_step):
+            rng = random.Random(f"{self.cfg.seed}/{step}/{row}")
+            ids: list[int] = []
+            while len(ids) < length:
+                segment = self.data.sample(rng)
+                ids += segment.prompt + segment.answer
+            rows.append(ids[:length])
+        return torch.tensor(rows)
+
+    def partition(self, step: int) -> tuple[list[int], torch.Generator]:
+        """The step's block partition of seq_len positions (sizes from the conversion trainer's, the sizes the
+        model decodes and commits in), and the generator it was drawn from, for the step's other draws."""
+        generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        return block_partition(self.cfg.seq_len, self.block_sizes, generator, overhang=False), generator
+
+    def param_groups(self) -> list[dict]:
+        return [{"params": list(self.model.parameters()), "weight_decay": 0.0}]
+
+    def plot(self, png_path: Path) -> None:
+        """The stage's curve from train_log.jsonl (self.log_path)."""
+        raise NotImplementedError
+
+    def save_weights(self, folder: Path) -> None:
+        save_model(self.student, self.tokenizer, folder)
+
+    def save_checkpoint(self, final: bool = False) -> None:
+        super().save_checkpoint(final)
+        self.plot(self.out / self.plot_file)
+
+    def finish(self, metrics: dict | None) -> dict:
+        student = self.out / STUDENT_DIR
+        atomic_write_dir(student, lambda folder: save_model(self.student, self.tokenizer, folder))
+        self.plot(self.out / self.plot_file)
+        return {"steps": self.state["step"], "tokens": self.state["tokens"], "layers": self.layers,
+                "teacher": "bf16" if self.teacher_bf16 else "fp32", "device": device_label(self.device),
+                "out": str(student), "plot": str(self.out / self.plot_file)}  # fmt: skip
