@@ -219,3 +219,23 @@ def test_a_value_is_not_cut_where_the_model_is_unsure_and_the_budget_has_room(sm
     row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, block_size, max_new_tokens=40)
     answer = json.loads(tokenizer.decode(row.generated))
     assert row.finish_reason == "stop" and len(answer["date"]) >= 10, answer
+
+
+def test_the_peer_does_not_take_the_budgets_ending_for_a_forced_token(smol, monkeypatch):
+    """The same at the peer (convert/peer.py, jump-forward): the budget's one-token mask was taken for a
+    token the grammar forces and written without asking the model (tool_call 0.2 exact, dates cut to "202")."""
+    import cloverlm.convert.peer as peer
+
+    tokenizer, grammars = smol
+    logits = torch.full((len(tokenizer),), -20.0)
+    logits[[_ids(tokenizer, digit)[0] for digit in "2016"]] = 10.0
+    monkeypatch.setattr(peer._CachedReader, "__init__", lambda self, model: setattr(self, "forwards", 0))
+    monkeypatch.setattr(peer._CachedReader, "read", lambda self, ids: logits)  # the model: always unsure
+    model = torch.nn.Linear(1, 1)
+    model.config = type("Config", (), {"vocab_size": len(tokenizer)})()
+    schema = {"type": "object", "properties": {"date": {"type": "string"}, "units": {"enum": ["celsius", "fahrenheit"]}},
+              "required": ["date", "units"], "additionalProperties": False}
+    out = peer.peer_generate_constrained(model, [1], grammars.constraint(grammars.json_schema(schema)), max_new_tokens=40,
+                                         stop_ids=tuple(stop_token_ids(tokenizer)))  # fmt: skip
+    answer = json.loads(tokenizer.decode(out.tokens))
+    assert len(answer["date"]) >= 10, answer

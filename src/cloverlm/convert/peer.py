@@ -246,7 +246,9 @@ def peer_generate_constrained(
     while len(tokens) < max_new_tokens:
         run = constraint.forced()
         if not run:
-            allowed = constraint.allowed()
+            # what the grammar fixes, not the budget: near its end the budget narrows the mask to a short
+            # ending's next token, which is the model's to choose or not (a date cut to "202" otherwise)
+            allowed = constraint.allowed(within_budget=False)
             going_on = allowed.clone()
             going_on[stops] = False
             if not going_on.any():
@@ -268,7 +270,7 @@ def peer_generate_constrained(
             raise CloverError(f"the grammar has {allowed.numel()} tokens, the model {logits.numel()}")
         token = int(logits.argmax())  # as the engine does: the mask only where the model's choice is refused
         if not constraint.allows(token):
-            token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+            token = int(logits.masked_fill(~constraint.allowed(), float("-inf")).argmax())
         if token in stops:
             break
         constraint.advance(token)

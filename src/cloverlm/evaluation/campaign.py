@@ -34,14 +34,15 @@ PEER_POINTS = {
     "unseen_b1": ("no_fly_zones_unseen", 1),
     "tool_call_b1": ("tool_call", 1),
 }
-# Points whose decoding changed since EVAL_VERSION: only their cached scores are recomputed (a pair's
-# evaluation is two hours of CPU). 3: under a grammar, the threshold rule reads the model's confidence under
-# the grammar alone, not under the budget's narrowed mask (decoding/unmask.py; it changes B > 1 only).
-POINT_VERSIONS = {point: 3 for point, (_, block_size) in CLOVER_POINTS.items() if block_size > 1}
+# Points whose decoding changed since EVAL_VERSION, per model: only their cached scores are recomputed (a
+# pair's evaluation is two hours of CPU). 3: near the budget, the grammar's narrowed mask no longer makes a
+# token look certain (Clover's threshold rule, B > 1: decoding/unmask.py) or forced (the peer: convert/peer.py).
+POINT_VERSIONS = {"clover": {point: 3 for point, (_, block_size) in CLOVER_POINTS.items() if block_size > 1},
+                  "peer": {point: 3 for point in PEER_POINTS}}  # fmt: skip
 
 
-def point_version(point: str) -> int:
-    return POINT_VERSIONS.get(point, EVAL_VERSION)
+def point_version(point: str, peer: bool) -> int:
+    return POINT_VERSIONS["peer" if peer else "clover"].get(point, EVAL_VERSION)
 
 
 def _key(folder: Path, prompts: int) -> dict:
@@ -72,19 +73,15 @@ def evaluate_folder(
     peer = is_peer_folder(folder)
     wanted = PEER_POINTS if peer else CLOVER_POINTS
     versions = stored.get("versions", {})  # a cache written before point versions holds EVAL_VERSION's
-    stale = {
-        point
-        for point in stored.get("points", {})
-        if versions.get(point, EVAL_VERSION) != point_version(point)
-    }
+    stale = {point for point in stored.get("points", {}) if versions.get(point, EVAL_VERSION) != point_version(point, peer)}
     points = {point: scores for point, scores in stored.get("points", {}).items() if point not in stale}
     summary = {name: value for name, value in stored.get("summary", {}).items()
                if not any(name == point or name.startswith(point + "_") for point in stale)}  # fmt: skip
     result = {"key": key, "folder": str(folder), "points": points, "summary": summary,
-              "versions": {point: point_version(point) for point in points}}  # fmt: skip
+              "versions": {point: point_version(point, peer) for point in points}}  # fmt: skip
 
     def keep() -> None:
-        result["versions"] = {point: point_version(point) for point in points}
+        result["versions"] = {point: point_version(point, peer) for point in points}
         if cache and write_cache:
             cached.parent.mkdir(parents=True, exist_ok=True)
             cached.write_text(json.dumps(result, indent=1) + "\n")
