@@ -26,9 +26,7 @@ def is_greedy(params: DecodeParams) -> bool:
     return params.temperature < GREEDY_BELOW
 
 
-def threshold_accept(
-    confidence: torch.Tensor, open_: torch.Tensor, threshold: float | torch.Tensor, last_step
-) -> torch.Tensor:
+def threshold_accept(confidence: torch.Tensor, open_: torch.Tensor, threshold: float | torch.Tensor, last_step) -> torch.Tensor:
     """The threshold rule (Fast-dLLM) over [..., n] blocks: every open position whose confidence is at
     least `threshold`, and always the most confident open one; at the last step (bool, or [...] per
     block) every open position. Blocks with nothing open accept nothing."""
@@ -70,17 +68,11 @@ def choose_tokens(logits: torch.Tensor, params: DecodeParams, generator: torch.G
 def is_plain(row: DecodeRow) -> bool:
     """Rows the batched threshold rule decides: greedy, without grammar or slots."""
     params = row.params
-    return (
-        params.strategy == "threshold"
-        and is_greedy(params)
-        and row.request.constraint is None
-        and row.allowed is None
-    )
+    return (params.strategy == "threshold" and is_greedy(params)
+            and row.request.constraint is None and row.allowed is None)
 
 
-def unmask(
-    rows: list[DecodeRow], logits: torch.Tensor, batched: bool = True, lookahead: bool = False
-) -> list[bool]:
+def unmask(rows: list[DecodeRow], logits: torch.Tensor, batched: bool = True, lookahead: bool = False) -> list[bool]:
     """One denoising step for every row, from its logits ([rows, n, V], on the model's device, [MASK]
     already excluded). Returns, per row, whether its block is now decided. batched=False decides plain
     rows one by one on the host (the reference the batched rule is tested against); lookahead holds
@@ -92,11 +84,8 @@ def unmask(
         tokens, confidence = dict(zip(greedy_rows, chosen.cpu())), dict(zip(greedy_rows, conf.cpu()))
     plain = [i for i, row in enumerate(rows) if batched and is_plain(row)]
     if plain:
-        _threshold_batch(
-            [rows[i] for i in plain],
-            torch.stack([tokens[i] for i in plain]),
-            torch.stack([confidence[i] for i in plain]),
-        )
+        _threshold_batch([rows[i] for i in plain], torch.stack([tokens[i] for i in plain]),
+                         torch.stack([confidence[i] for i in plain]))
     for index, row in enumerate(rows):
         if index in plain:
             continue
@@ -134,9 +123,7 @@ def _general(row: DecodeRow, logits: torch.Tensor) -> None:
     masked = row.block == row.mask_id
     tokens, confidence = choose_tokens(logits, params, row.generator)
     if params.strategy == "threshold":
-        accept = threshold_accept(
-            confidence, masked & row.eligible(tokens), params.threshold, row.last_step()
-        )
+        accept = threshold_accept(confidence, masked & row.eligible(tokens), params.threshold, row.last_step())
     else:
         confidence = torch.where(masked, confidence, torch.full_like(confidence, -1.0))
         accept = torch.zeros_like(masked)
@@ -149,9 +136,7 @@ def _general(row: DecodeRow, logits: torch.Tensor) -> None:
         row.keep_assignable()
 
 
-def _distinct(
-    row: DecodeRow, tokens: torch.Tensor, confidence: torch.Tensor, accept: torch.Tensor
-) -> torch.Tensor:
+def _distinct(row: DecodeRow, tokens: torch.Tensor, confidence: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
     """Slots with distinct answers: the slots accepted in this step, most confident first, keep their
     token while every open slot can still get a different one; the others stay masked. The first
     always keeps it (open slots are kept to assignable options), so each step unmasks a slot."""
@@ -167,13 +152,8 @@ def _distinct(
     return keep
 
 
-def _constrained(
-    row: DecodeRow,
-    logits: torch.Tensor,
-    tokens: torch.Tensor | None,
-    confidence: torch.Tensor | None,
-    lookahead: bool,
-) -> None:
+def _constrained(row: DecodeRow, logits: torch.Tensor, tokens: torch.Tensor | None, confidence: torch.Tensor | None,
+                 lookahead: bool) -> None:
     """Decide the leftmost run of undecided targets, each under the grammar state after the ones before
     it; forced tokens are filled in between at no cost.
 
@@ -201,11 +181,8 @@ def _constrained(
             else:
                 row.remask(position)
         if block[position] == row.mask_id:
-            if (
-                tokens is not None
-                and (must_accept or confidence[position] >= params.threshold)
-                and constraint.allows(int(tokens[position]))
-            ):
+            if tokens is not None and (must_accept or confidence[position] >= params.threshold) \
+                    and constraint.allows(int(tokens[position])):
                 token = int(tokens[position])
             else:
                 scores = logits[position].float().cpu()
@@ -215,9 +192,7 @@ def _constrained(
                     # Near the budget a grammar narrows its mask to a short ending, often one token: that
                     # narrows the choice, it does not make the model sure of it. The rule reads the
                     # confidence under the grammar alone (a date cut to "202" at B = 16 otherwise).
-                    own = scores.masked_fill(
-                        ~constraint.allowed(within_budget=False)[: logits.shape[-1]], float("-inf")
-                    )
+                    own = scores.masked_fill(~constraint.allowed(within_budget=False)[: logits.shape[-1]], float("-inf"))
                     if own.softmax(-1)[token].item() < params.threshold:
                         break
             row.decide(position, token)
