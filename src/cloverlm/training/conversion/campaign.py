@@ -62,6 +62,9 @@ class CampaignConfig:
     # None: the run's own (a new run: CAMPAIGN_MIXTURE). Given: what the run teaches from its next step on,
     # the one deliberate change to a campaign's data (e.g. more chat where the chat guard fell)
     mixture: dict[str, float] | None = None
+    # None: the run's own (a new run: every record of data/chat_distill/train.jsonl). Given: the first N
+    # records from the next step on (more records where the model had learnt the few it saw by heart)
+    chat_examples: int | None = None
     full_size_share: float = 0.6  # 20-message no_fly prompts: the size the targets are measured at
     # the two look-alikes the shipped model lists as zones most (18 of 19: docs/error_analysis.md)
     distractor_weights: dict[str, float] = field(
@@ -81,11 +84,12 @@ def trainer_config(cfg: CampaignConfig, objective: str, device: str) -> ConvertC
     rows, tokens = STEP_SHAPE[device]
     data = {"rows_per_step": cfg.rows_per_step or rows, "tokens_per_step": cfg.tokens_per_step or tokens,
             "mixture": dict(cfg.mixture or CAMPAIGN_MIXTURE), "full_size_share": cfg.full_size_share,
-            "distractor_weights": dict(cfg.distractor_weights)}  # fmt: skip
+            "distractor_weights": dict(cfg.distractor_weights), "chat_examples": cfg.chat_examples}  # fmt: skip
     state = Path(cfg.out) / name / "checkpoint" / STATE_FILE
     if state.is_file():
         stored = asdict(ConvertConfig()) | json.loads(state.read_text())["config"]
         data = {key: stored[key] for key in data} | ({"mixture": dict(cfg.mixture)} if cfg.mixture else {})
+        data |= {"chat_examples": cfg.chat_examples} if cfg.chat_examples else {}
     return ConvertConfig(
         objective=objective, out=str(Path(cfg.out) / name), seed=cfg.seed, **data, lr=cfg.lr, warmup_steps=10,
         max_steps=cfg.schedule_steps, eval_every=100, checkpoint_every=10, device=cfg.device,
@@ -251,6 +255,9 @@ def add_arguments(parser) -> None:
         help="source=weight,... from the next step on "
         f"(default: the run's own; a new run's: {','.join(f'{k}={v}' for k, v in CAMPAIGN_MIXTURE.items())})",
     )
+    parser.add_argument(
+        "--chat-examples", type=int, help="chat records the run draws from, from the next step on (default: the run's own)"
+    )
     parser.add_argument("--no-eval", action="store_true", help="train only (no evaluation, no promotion)")
     parser.add_argument(
         "--no-promote", action="store_true", help="evaluate but leave the shipped folders as they are"
@@ -276,5 +283,6 @@ def run_from_args(args) -> dict:
         torch.set_num_threads(args.threads)
     cfg = CampaignConfig(minutes=args.minutes, out=args.out, models=args.models, device=args.device, prompts=args.prompts,
                          rows_per_step=args.rows_per_step, tokens_per_step=args.tokens_per_step, mixture=args.mixture,
+                         chat_examples=args.chat_examples,
                          evaluate=not args.no_eval, promote=not args.no_promote)  # fmt: skip
     return run_campaign(cfg)

@@ -46,7 +46,7 @@ class ConvertConfig:
     # Rows are padded to a multiple of this (None: GPU_PAD_MULTIPLE on CUDA; on CPU padding only costs).
     pad_multiple: int | None = None
     compile: bool = False  # torch.compile the model (static shapes: worth it with padding on CUDA)
-    chat_examples: int = 128  # the first N records of data/chat_distill/train.jsonl
+    chat_examples: int | None = 128  # the first N records of data/chat_distill/train.jsonl (None: all)
     init_adapter: str | None = None  # start from this adapter folder (fresh optimizer, warm-up again)
     distill_data: str | None = None  # trajectories (training/conversion/distill.py) for the mixture's "distill" source
     certainty_weight: float = 0.0  # certainty forcing on right noisy predictions (objective.conversion_loss)
