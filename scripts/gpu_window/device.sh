@@ -6,6 +6,7 @@
 #       foreground under a hard timeout), then puts into $OUT what collect.sh needs (at most 8 files,
 #       64 MiB, 16 MiB each): each run's adapter in bf16 cut by keys into pieces of <= 15 MiB, and
 #       meta.tar.gz (train_state.json, configs, train logs); prints tokens/s from the train logs.
+# WHAT=graft instead trains the memory graft (issue 30; run_graft.py, graft_window below).
 # Settings (environment): MINUTES=6 (training; Clover 70%, the peer to the same step after it), DEVICE=cuda,
 # BUDGET_S=570 (phase 2 ends by then), PACK_S=40 (kept for packing), ROWS_PER_STEP / TOKENS_PER_STEP
 # (default: the campaign's CUDA shape 8 x 4000), THREADS, PY=python3, CAMPAIGN_OUT=/tmp/gpu-campaign.
@@ -28,9 +29,30 @@ fi
 
 T0=$SECONDS
 OUT=${OUT:?OUT is the folder whose files come back}
-MINUTES=${MINUTES:-6} DEVICE=${DEVICE:-cuda} BUDGET_S=${BUDGET_S:-570} PACK_S=${PACK_S:-40}
+MINUTES=${MINUTES:-6} DEVICE=${DEVICE:-cuda} BUDGET_S=${BUDGET_S:-570} PACK_S=${PACK_S:-40} WHAT=${WHAT:-campaign}
 CAMPAIGN_OUT=${CAMPAIGN_OUT:-/tmp/gpu-campaign}
 fail() { echo "FAILED: $*"; exit 1; }
+
+log_summary() {  # log_summary FOLDER RUN...: each run's last logged step, from FOLDER/RUN/train_log.jsonl
+  "$PY" - "$@" <<'EOF'
+import json, sys
+from pathlib import Path
+for name in sys.argv[2:]:
+    log = Path(sys.argv[1]) / name / "train_log.jsonl"
+    rows = [json.loads(l) for l in log.read_text().splitlines() if '"loss"' in l] if log.is_file() else []
+    if rows:
+        last = rows[-1]
+        print(f"{name}: {last['step']} steps, {sum(r.get('tokens', 0) for r in rows)} tokens, {last.get('elapsed_s')} s, "
+              f"{last.get('tok_s')} tok/s, loss {last['loss']}, peak rss {last.get('peak_rss_gib')} GiB")
+    else:
+        print(f"{name}: no training steps logged")
+EOF
+}
+
+return_sizes() {  # what comes back, against the window's limits
+  find "$OUT" -type f -printf '%s %P\n' | awk '{ n++; t += $1; printf "  %6.2f MiB  %s\n", $1 / 1048576, $2 }
+    END { printf "%d files, %.2f MiB back (limits: 8 files, 64 MiB)\n", n, t / 1048576; if (n > 8 || t > 64 * 1048576) print "OVER THE RETURN LIMITS" }'
+}
 
 phase2() {
 
@@ -58,6 +80,7 @@ if sys.argv[1] == "cuda" and not torch.cuda.is_available():
 echo "setup took $((SECONDS - T0)) s"
 
 LIMIT=$((BUDGET_S - (SECONDS - T0) - PACK_S))
+if [ "$WHAT" = graft ]; then graft_window; return; fi
 echo "campaign: $MINUTES min of training on $DEVICE, killed after $LIMIT s at most"
 timeout -s INT -k 15 "$LIMIT" "$PY" scripts/gpu_window/run_campaign.py --minutes "$MINUTES" --out "$CAMPAIGN_OUT" \
   --models "$W/payload/models" --device "$DEVICE" --no-eval ${ROWS_PER_STEP:+--rows-per-step "$ROWS_PER_STEP"} \
@@ -81,21 +104,44 @@ done
 cp "$CAMPAIGN_OUT"/campaign.json "$CAMPAIGN_OUT"/sessions.jsonl "$W/campaign.out" "$W/meta/" 2>/dev/null
 tar -czf "$OUT/meta.tar.gz" -C "$W/meta" .
 
-"$PY" - "$CAMPAIGN_OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-for name in ("smollm2-clover", "smollm2-peer"):
-    log = Path(sys.argv[1]) / name / "train_log.jsonl"
-    rows = [json.loads(l) for l in log.read_text().splitlines() if '"tok_s"' in l] if log.is_file() else []
-    if rows:
-        last = rows[-1]
-        print(f"{name}: {last['step']} steps, {last['elapsed_s']} s, {last['tok_s']} tok/s (tokens/elapsed)"
-              f", loss {last['loss']}, peak rss {last.get('peak_rss_gib')} GiB")
-    else:
-        print(f"{name}: no training steps logged")
-EOF
-find "$OUT" -type f -printf '%s %P\n' | awk '{ n++; t += $1; printf "  %6.2f MiB  %s\n", $1 / 1048576, $2 }
-  END { printf "%d files, %.2f MiB back (limits: 8 files, 64 MiB)\n", n, t / 1048576; if (n > 8 || t > 64 * 1048576) print "OVER THE RETURN LIMITS" }'
+log_summary "$CAMPAIGN_OUT" smollm2-clover smollm2-peer
+return_sizes
+echo "PHASE 2 DONE after $((SECONDS - T0)) s"
+}
+
+# WHAT=graft: the memory graft's two stages instead of the campaign (run_graft.py train), and what comes back
+# is the trained mixers of the last student (bf16, cut into pieces of <= 15 MiB) and graft_meta.tar.gz (each
+# stage's log, curve and state); collect_graft.sh rebuilds the student here.
+graft_window() {
+GRAFT_OUT=${GRAFT_OUT:-/tmp/gpu-graft}
+TEACHER=$W/payload/models/smollm2-clover
+echo "graft: $MINUTES min of stages 1 and 2 on $DEVICE, killed after $LIMIT s at most"
+timeout -s INT -k 15 "$LIMIT" "$PY" scripts/gpu_window/run_graft.py train --teacher "$TEACHER" --out "$GRAFT_OUT" \
+  --minutes "$MINUTES" --device "$DEVICE" ${ROWS_PER_STEP:+--rows-per-step "$ROWS_PER_STEP"} ${SEQ_LEN:+--seq-len "$SEQ_LEN"} \
+  ${THREADS:+--threads "$THREADS"} > "$W/graft.out" 2>&1
+echo "graft exit status $? after $((SECONDS - T0)) s"
+tr '\r' '\n' < "$W/graft.out" | grep -v '^\s*$' | grep -v '%|' | tail -n 12
+student=""
+for s in stage2/student stage2/checkpoint stage1/student stage1/checkpoint; do  # the furthest that was saved
+  [ -f "$GRAFT_OUT/$s/model.safetensors" ] && { student=$GRAFT_OUT/$s; break; }
+done
+[ -n "$student" ] || fail "no student was saved: nothing comes back"
+echo "bringing back the mixers of $student"
+"$PY" scripts/gpu_window/run_graft.py mixers "$student" "$TEACHER" "$W/mixers.safetensors" || fail "extracting the mixers"
+"$PY" scripts/gpu_window/split.py split "$W/mixers.safetensors" "$OUT/mixers" --max-mib 15 --prefix mixers --dtype bf16 \
+  || fail "splitting the mixers"
+rm -rf "$W/meta" && mkdir -p "$W/meta"
+for stage in stage1 stage2; do
+  [ -d "$GRAFT_OUT/$stage" ] || continue
+  mkdir -p "$W/meta/$stage"
+  find "$GRAFT_OUT/$stage" -maxdepth 1 -type f -exec cp {} "$W/meta/$stage/" \;
+  find "$GRAFT_OUT/$stage/checkpoint" -maxdepth 1 -type f ! -name '*.safetensors' -exec cp {} "$W/meta/$stage/" \; 2>/dev/null
+done
+echo "$student" > "$W/meta/student_from"  # which stage the mixers are from
+cp "$W/graft.out" "$W/meta/"
+tar -czf "$OUT/graft_meta.tar.gz" -C "$W/meta" .
+log_summary "$GRAFT_OUT" stage1 stage2
+return_sizes
 echo "PHASE 2 DONE after $((SECONDS - T0)) s"
 }
 

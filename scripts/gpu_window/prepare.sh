@@ -89,6 +89,8 @@ call 2:  run(command="bash scripts/gpu_window/device.sh 2", carry=["$STAGE/call2
   - then give_back(); then: scripts/gpu_window/prepare.sh end; scripts/gpu_window/collect.sh FILES_AT_OF_CALL_2
   - device.sh's settings can go in front of its command: MINUTES=6 (training, Clover 70%, the peer after),
     BUDGET_S=570 (call 2's own deadline), e.g. "MINUTES=5 bash scripts/gpu_window/device.sh 2"
+  - the memory graft (issue 30) instead of the campaign: "WHAT=graft MINUTES=7 bash scripts/gpu_window/device.sh 2",
+    then scripts/gpu_window/collect_graft.sh FILES_AT_OF_CALL_2
 EOF
 }
 

@@ -1,0 +1,151 @@
+"""The memory graft's GPU window (issue 30), run by device.sh with WHAT=graft, without `cloverlm.cli` (the GPU
+machine lacks the server's packages). Order of use: device.sh (there) runs `train`, then `mixers`;
+collect_graft.sh (here) runs `rebuild`.
+
+  run_graft.py train --teacher T --out OUT --minutes M [--stage1-share 0.4] [--rows-per-step R] [--seq-len L]
+      OUT/hybrid: the teacher grafted (convert/graft.py, the default memory layers or --memory-layers);
+      OUT/stage1, OUT/stage2: the two stages (training/graft/), stage 1 for its share of the minutes, stage 2
+      from stage 1's student for the rest. Each schedule spans --stage1-tokens / --stage2-tokens, so a window
+      shorter than that stops part way, with the run's checkpoint and log as they are.
+  run_graft.py mixers STUDENT TEACHER OUT_FILE
+      the trained part of a student, every tensor under a grafted layer's mixer (base.GraftLoop trains only
+      those), fp32, the layers, the graft's config and the teacher's digest in the metadata: 30M parameters where the whole student
+      is 611 MB, so it comes back through the window (split.py cuts it).
+  run_graft.py rebuild TEACHER MIXERS_FILE OUT
+      here: the teacher grafted again with the mixers' layers, the mixers put in (keys and shapes checked,
+      every mixer tensor replaced), saved as a Clover folder that `clover train --recipe graft-stage2
+      --student OUT`, `clover graft-select` and `clover bench --hybrid OUT` read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from cloverlm.convert.graft import calibration_ids, default_memory_layers, graft_memory
+from cloverlm.convert.load import load_folder_tokenizer, load_model
+from cloverlm.model.checkpoint import save_model
+from cloverlm.training.graft.base import STUDENT_DIR
+from cloverlm.training.graft.stage1 import GraftStage1, Stage1Config
+from cloverlm.training.graft.stage2 import GraftStage2, Stage2Config
+
+MIXER = ".linear_attn."  # the grafted layers' mixers: model.layers.{i}.linear_attn.*
+
+
+def graft(teacher: str, out: Path, memory_layers: list[int] | None) -> list[int]:
+    model, tokenizer = load_model(teacher), load_folder_tokenizer(teacher)
+    layers = memory_layers or default_memory_layers(model.config.num_hidden_layers)
+    save_model(graft_memory(model, layers, calibration=calibration_ids(tokenizer)), tokenizer, out)
+    return layers
+
+
+def teacher_digest(teacher: str | Path) -> str:
+    """The teacher's weights, by content: mixers are put back only into a graft of the teacher they learnt from."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(teacher).glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def train(args) -> dict:
+    out = Path(args.out)
+    hybrid = out / "hybrid"
+    started, summary = time.monotonic(), {}  # grafting counts against the minutes: the window's deadline is fixed
+    if not (hybrid / "model.safetensors").is_file():
+        graft(args.teacher, hybrid, args.memory_layers)
+    shape = {"rows_per_step": args.rows_per_step, "seq_len": args.seq_len, "device": args.device}
+    for name, stage, config, student, tokens, minutes in (
+        ("stage1", GraftStage1, Stage1Config, hybrid, args.stage1_tokens, args.minutes * args.stage1_share),
+        ("stage2", GraftStage2, Stage2Config, out / "stage1" / STUDENT_DIR, args.stage2_tokens, None),
+    ):
+        left = args.minutes - (time.monotonic() - started) / 60
+        minutes = left if minutes is None else min(minutes, left)
+        if minutes < 0.2 or not (student / "model.safetensors").is_file():
+            break
+        # stage 2 counts a clean and a noisy stream per position: twice stage 1's tokens for one row
+        per_step = args.rows_per_step * args.seq_len * (2 if name == "stage2" else 1)
+        cfg = config(teacher=args.teacher, student=str(student), out=str(out / name), max_steps=max(1, tokens // per_step),
+                     minutes=minutes, checkpoint_minutes=2.0, **shape)  # fmt: skip
+        resume = (out / name / "checkpoint").is_dir()
+        summary[name] = stage(cfg, resume=resume).run()
+        print(json.dumps({name: summary[name]}), flush=True)
+    return summary
+
+
+def mixers(student: Path, teacher: str, out_file: Path) -> dict:
+    config = json.loads((student / "config.json").read_text())
+    with safe_open(str(student / "model.safetensors"), "pt") as handle:
+        tensors = {key: handle.get_tensor(key).float() for key in handle.keys() if MIXER in key}
+    layers = sorted({int(key.split(".")[2]) for key in tensors})
+    meta = {"layers": json.dumps(layers), "config": json.dumps(config), "student": str(student),
+            "teacher_sha256": teacher_digest(teacher)}
+    save_file(tensors, str(out_file), metadata=meta)
+    return {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values()), "layers": layers}
+
+
+def rebuild(teacher: str, mixers_file: Path, out: Path) -> dict:
+    with safe_open(str(mixers_file), "pt") as handle:
+        meta = handle.metadata()
+    layers = json.loads(meta["layers"])
+    if meta.get("teacher_sha256") != teacher_digest(teacher):
+        raise SystemExit(f"{teacher} is not the teacher these mixers learnt from (its weights differ): "
+                         "graft the teacher of the window (the adapter staged then)")
+    trained = load_file(str(mixers_file))
+    graft(teacher, out, layers)
+    model = load_model(out)
+    state = model.state_dict()
+    own = {key for key in state if MIXER in key}
+    if own != set(trained):
+        raise SystemExit(f"the mixers do not fit this graft: missing {sorted(own - set(trained))[:3]}, "
+                         f"unexpected {sorted(set(trained) - own)[:3]}")  # fmt: skip
+    wrong = [key for key in own if state[key].shape != trained[key].shape]
+    if wrong:
+        raise SystemExit(f"shapes differ for {wrong[:3]}")
+    model.load_state_dict({key: trained[key].to(state[key].dtype) for key in own}, strict=False)
+    save_model(model, load_folder_tokenizer(teacher), out)
+    return {"out": str(out), "layers": layers, "tensors": len(own)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("train")
+    p.add_argument("--teacher", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--minutes", type=float, required=True)
+    p.add_argument("--stage1-share", type=float, default=0.4, help="of the minutes; stage 2 gets the rest")
+    p.add_argument("--stage1-tokens", type=int, default=5_000_000, help="stage 1's schedule (issue 30: >= 5M)")
+    p.add_argument("--stage2-tokens", type=int, default=50_000_000)
+    p.add_argument("--rows-per-step", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--memory-layers", type=lambda text: [int(i) for i in text.split(",")])
+    p = commands.add_parser("mixers")
+    p.add_argument("student", type=Path)
+    p.add_argument("teacher")
+    p.add_argument("out_file", type=Path)
+    p = commands.add_parser("rebuild")
+    p.add_argument("teacher")
+    p.add_argument("mixers_file", type=Path)
+    p.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        print(json.dumps(train(args)))
+    elif args.command == "mixers":
+        print(json.dumps(mixers(args.student, args.teacher, args.out_file)))
+    else:
+        print(json.dumps(rebuild(args.teacher, args.mixers_file, args.out)))
+
+
+if __name__ == "__main__":
+    main()

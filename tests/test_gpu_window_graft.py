@@ -1,0 +1,53 @@
+"""The memory graft's GPU window (scripts/gpu_window/run_graft.py): what comes back is only the trained
+mixers, and the student rebuilt from them here is the one trained there, on the teacher it learnt from."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloverlm.convert.load import load_folder_tokenizer, load_model
+from cloverlm.model.checkpoint import save_model
+from test_graft_stage1 import grafted_folders
+
+spec = importlib.util.spec_from_file_location("run_graft", Path(__file__).parents[1] / "scripts/gpu_window/run_graft.py")
+run_graft = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run_graft)
+
+
+@pytest.fixture(scope="module")
+def window(tmp_path_factory):
+    """(teacher, a "trained" student: its mixers moved off their grafted values, the mixers file, root)."""
+    root = tmp_path_factory.mktemp("window")
+    teacher, student = grafted_folders(root, [1, 2])
+    model = load_model(student)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if run_graft.MIXER in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+    save_model(model, load_folder_tokenizer(student), root / "trained")
+    summary = run_graft.mixers(root / "trained", str(teacher), root / "mixers.safetensors")
+    return teacher, root / "trained", summary, root
+
+
+def test_only_the_mixers_come_back_and_the_rebuilt_student_is_the_trained_one(window):
+    teacher, trained, summary, root = window
+    assert summary["layers"] == [1, 2]
+    rebuilt = load_model(run_graft.rebuild(str(teacher), root / "mixers.safetensors", root / "rebuilt")["out"]).state_dict()
+    expected = load_model(trained).state_dict()
+    assert set(rebuilt) == set(expected)
+    assert sum(t.numel() for k, t in expected.items() if run_graft.MIXER in k) == summary["parameters"]
+    for key, value in expected.items():
+        assert torch.equal(rebuilt[key], value), key
+
+
+def test_mixers_are_not_put_into_a_graft_of_another_teacher(window):
+    teacher, _, _, root = window
+    other = load_model(teacher)
+    with torch.no_grad():
+        other.model.embed_tokens.weight.add_(1.0)
+    save_model(other, load_folder_tokenizer(teacher), root / "other_teacher")
+    with pytest.raises(SystemExit, match="not the teacher these mixers learnt from"):
+        run_graft.rebuild(str(root / "other_teacher"), root / "mixers.safetensors", root / "wrong")
