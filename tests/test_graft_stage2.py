@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from cloverlm.cli import main
@@ -70,6 +71,21 @@ def test_one_row_at_a_time_gives_the_batchs_kl_and_gradients(trained):
     torch.testing.assert_close(apart_grad, grad, rtol=1e-4, atol=1e-7)
 
 
+def test_the_data_term_adds_the_texts_own_cross_entropy_at_the_scored_slots(trained):
+    """data_weight > 0 (the conversion objective on the hybrid): the loss is the KL plus that weight times
+    the mean cross-entropy of the slots' own targets, over the same count."""
+    _, trainer = trained
+    noised, partition = trainer.batch(41)
+    slots = int(noised.scored.sum())
+    with torch.no_grad():
+        kl, _ = distillation_kl(trainer.student, trainer.teacher, noised, partition, slots)
+        both, stats = distillation_kl(trainer.student, trainer.teacher, noised, partition, slots, data_weight=0.5)
+        logits = trainer.student(noised.clean_ids, noised.noisy_ids, partition, logits_mask=noised.scored).logits
+        nll = F.cross_entropy(logits.float(), noised.targets[noised.scored])
+    assert stats["data_nll"] == pytest.approx(float(nll), rel=1e-5) and float(nll) > 0
+    assert float(both) == pytest.approx(float(kl) + 0.5 * float(nll), rel=1e-5)
+
+
 def test_a_noisy_slot_does_not_read_its_target(trained):
     """The student's prediction at a scored slot is the same whatever the tokens it may not see: the
     masked targets of its block and everything after the block."""
@@ -122,3 +138,11 @@ def test_clover_train_recipe_graft_stage2(folders, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["layers"] == GRAFTED and summary["teacher"] == "fp32"
     assert load_model(tmp_path / "cli" / "student").config.layer_types == load_model(student).config.layer_types
+
+
+def test_the_data_weight_is_refused_for_stage_1(folders, tmp_path, capsys):
+    teacher, student = folders
+    with pytest.raises(SystemExit):
+        main(["train", "--recipe", "graft-stage1", "--teacher", str(teacher), "--student", str(student),
+              "--out", str(tmp_path / "s1"), "--max-steps", "1", "--data-weight", "1"])  # fmt: skip
+    assert "--data-weight goes with --recipe graft-stage2" in capsys.readouterr().err

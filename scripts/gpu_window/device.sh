@@ -118,7 +118,7 @@ TEACHER=$W/payload/models/smollm2-clover
 echo "graft: $MINUTES min of stages 1 and 2 on $DEVICE, killed after $LIMIT s at most"
 timeout -s INT -k 15 "$LIMIT" "$PY" scripts/gpu_window/run_graft.py train --teacher "$TEACHER" --out "$GRAFT_OUT" \
   --minutes "$MINUTES" --device "$DEVICE" ${ROWS_PER_STEP:+--rows-per-step "$ROWS_PER_STEP"} ${SEQ_LEN:+--seq-len "$SEQ_LEN"} \
-  ${THREADS:+--threads "$THREADS"} > "$W/graft.out" 2>&1
+  ${THREADS:+--threads "$THREADS"} ${DATA_WEIGHT:+--stage2-data-weight "$DATA_WEIGHT"} > "$W/graft.out" 2>&1
 echo "graft exit status $? after $((SECONDS - T0)) s"
 tr '\r' '\n' < "$W/graft.out" | grep -v '^\s*$' | grep -v '%|' | tail -n 12
 student=""

@@ -71,8 +71,9 @@ def train(args) -> dict:
             break
         # stage 2 counts a clean and a noisy stream per position: twice stage 1's tokens for one row
         per_step = args.rows_per_step * args.seq_len * (2 if name == "stage2" else 1)
+        extra = {"data_weight": args.stage2_data_weight} if name == "stage2" else {}
         cfg = config(teacher=args.teacher, student=str(student), out=str(out / name), max_steps=max(1, tokens // per_step),
-                     minutes=minutes, checkpoint_minutes=2.0, **shape)  # fmt: skip
+                     minutes=minutes, checkpoint_minutes=2.0, **shape, **extra)  # fmt: skip
         resume = (out / name / "checkpoint").is_dir()
         summary[name] = stage(cfg, resume=resume).run()
         print(json.dumps({name: summary[name]}), flush=True)
@@ -123,6 +124,7 @@ def main(argv=None) -> None:
     p.add_argument("--stage1-share", type=float, default=0.4, help="of the minutes; stage 2 gets the rest")
     p.add_argument("--stage1-tokens", type=int, default=5_000_000, help="stage 1's schedule (issue 30: >= 5M)")
     p.add_argument("--stage2-tokens", type=int, default=50_000_000)
+    p.add_argument("--stage2-data-weight", type=float, default=0.0, help="the text's cross-entropy beside stage 2's KL")
     p.add_argument("--rows-per-step", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--device", default="cuda")

@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("--recipe graft-stage1 and graft-stage2 (also --seq-len, --rows-per-step, --lr, --warmup-steps, --device, --fp32)")
     g.add_argument("--teacher", help="the all-attention model the student was grafted from (a Clover or adapter folder)")
     g.add_argument("--student", help="the graft (clover convert --graft memory); on --resume the checkpoint is used")
+    g.add_argument("--data-weight", type=float, help="graft-stage2: the text's own cross-entropy beside the KL (default 0)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("campaign", help="train the shipped pair further, evaluate, promote what beats it (resumable)")

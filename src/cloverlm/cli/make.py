@@ -143,6 +143,10 @@ def _train_graft(args) -> None:
         torch.set_num_threads(args.threads)
     stage, config = (GraftStage1, Stage1Config) if args.recipe == "graft-stage1" else (GraftStage2, Stage2Config)
     fields = {"teacher": args.teacher, "student": args.student, "out": args.out, "seed": args.seed}
+    if args.data_weight is not None:
+        if args.recipe != "graft-stage2":
+            raise CloverError("--data-weight goes with --recipe graft-stage2")
+        fields["data_weight"] = args.data_weight
     for name in ("max_steps", "minutes", "seq_len", "rows_per_step", "lr", "warmup_steps", "checkpoint_every", "device"):
         value = getattr(args, name)
         if value is not None:

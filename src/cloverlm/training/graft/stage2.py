@@ -18,6 +18,9 @@ Choices:
 - loss: KL(teacher || student) at each scored slot (the masked targets and each block's last), summed over
   the vocabulary, averaged over the step's slots, so that one row at a time (the CPU's micro-batches) gives
   the batch's gradients. Logged beside it: how often the student's argmax is the teacher's (`agree`).
+  data_weight > 0 adds the conversion objective's own term (issue 30, item 4: "then the conversion
+  objective"): the cross-entropy of the text's tokens at the same slots, averaged alike, so that the hybrid
+  can learn past its teacher where the teacher is wrong (`data_nll` in the log).
 - dtype: the teacher as in base.py; the student's forward under bf16 autocast where the hardware multiplies
   it (the rule the conversion trainer follows), its trained mixers and their optimizer in fp32.
 - no held-out evaluation: every batch is new data, so each step's KL is measured before any update on it.
@@ -41,13 +44,15 @@ class Stage2Config(GraftStageConfig):
     out: str = "runs/graft-stage2"
     lr: float = 3e-4  # the mixers start where stage 1 left them
     warmup_steps: int = 10
+    data_weight: float = 0.0  # the text's own cross-entropy beside the KL (0: distillation alone)
 
 
 def distillation_kl(
-    student, teacher, noised: NoisedBatch, block_sizes: list[int], slots: int
+    student, teacher, noised: NoisedBatch, block_sizes: list[int], slots: int, data_weight: float = 0.0
 ) -> tuple[torch.Tensor, dict]:
-    """(KL(teacher || student) summed over the scored slots of `noised` and divided by `slots`, stats) for two
-    Clover models; `slots` is the whole step's count where `noised` is a part of it."""
+    """(KL(teacher || student) summed over the scored slots of `noised` and divided by `slots`, plus
+    data_weight times the cross-entropy of the slots' targets averaged alike; stats) for two Clover models;
+    `slots` is the whole step's count where `noised` is a part of it."""
     device = next(student.parameters()).device
     inputs = (noised.clean_ids.to(device), noised.noisy_ids.to(device), block_sizes)
     scored = noised.scored.to(device)
@@ -56,7 +61,11 @@ def distillation_kl(
     predicted = student(*inputs, logits_mask=scored).logits.float().log_softmax(-1)
     kl = (target.exp() * (target - predicted)).sum(-1).sum() / max(slots, 1)
     agree = (predicted.argmax(-1) == target.argmax(-1)).float().sum() / max(slots, 1)
-    return kl, {"kl": float(kl.detach()), "agree": float(agree), "tokens": 2 * noised.clean_ids.numel()}
+    stats = {"kl": float(kl.detach()), "agree": float(agree), "tokens": 2 * noised.clean_ids.numel()}
+    if not data_weight:
+        return kl, stats
+    nll = -predicted.gather(-1, noised.targets.to(device)[scored][:, None]).sum() / max(slots, 1)
+    return kl + data_weight * nll, stats | {"data_nll": float(nll.detach())}
 
 
 class GraftStage2(GraftLoop):
@@ -82,7 +91,7 @@ class GraftStage2(GraftLoop):
 
     def loss(self, part, step: int):
         noised, partition, slots = part
-        return distillation_kl(self.student, self.teacher, noised, partition, slots)
+        return distillation_kl(self.student, self.teacher, noised, partition, slots, self.cfg.data_weight)
 
     def merge(self, outs: list[dict]) -> dict:
         return {key: sum(out[key] for out in outs) for key in outs[0]}  # each row's share of the batch's
