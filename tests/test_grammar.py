@@ -107,7 +107,7 @@ class _Digits:
         self.digit_ids, self.forced_id, self.end_id, self.vocab, self.count = digit_ids, forced, end_id, vocab, count
         self.seen: list[int] = []
 
-    def allowed(self, within_budget=True):
+    def allowed(self, within_budget=True, scores=None):
         mask = torch.zeros(self.vocab, dtype=torch.bool)
         mask[[self.end_id] if len(self.seen) >= self.count else self.digit_ids] = True
         return mask
@@ -196,7 +196,7 @@ class _Counting:
     def __init__(self, inner, shortcut: bool):
         self.inner, self.shortcut, self.masks = inner, shortcut, 0
 
-    def allowed(self, within_budget=True):
+    def allowed(self, within_budget=True, scores=None):
         self.masks += within_budget  # the grammar-alone mask of the same position is the one computed
         return self.inner.allowed(within_budget)
 

@@ -239,3 +239,40 @@ def test_the_peer_does_not_take_the_budgets_ending_for_a_forced_token(smol, monk
                                          stop_ids=tuple(stop_token_ids(tokenizer)))  # fmt: skip
     answer = json.loads(tokenizer.decode(out.tokens))
     assert len(answer["date"]) >= 10, answer
+
+
+def test_near_the_budget_the_models_next_choices_that_fit_stay_allowed(smol):
+    """Near its budget, a mask too wide to check token by token was narrowed to the short ending's next
+    token alone: where the model's own choice did not fit, the answer took the ending whatever the model
+    preferred next. With the model's scores, its best choices that still leave room for an ending stay."""
+    tokenizer, grammars = smol
+    schema = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"], "additionalProperties": False}
+    digit = _ids(tokenizer, "7")[0]
+    scores = torch.full((len(tokenizer),), -20.0)
+    scores[digit] = 10.0
+    for budget, fits in ((10, True), (4, False)):
+        constraint = grammars.constraint(grammars.json_schema(schema))
+        constraint.limit(budget)
+        for token in _ids(tokenizer, '{"note":"'):
+            constraint.advance(token)
+        # the string's ending, '"}', is one token: it fits after the digit where two tokens are left
+        assert (budget - constraint.used >= 2) == fits
+        assert not constraint.allowed()[digit]  # thousands of string tokens: only the ending's next
+        assert bool(constraint.allowed(scores=scores)[digit]) == fits
+        assert int(constraint.allowed(scores=scores).sum()) <= 1 + 16
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_an_ending_a_token_was_let_in_on_is_not_lost(smol, block_size):
+    """Near the budget a token is let in only where a short ending still fits after it, but the search
+    for an ending is greedy: after the first "0" of the part number's shortest tail ("000-AA"), it found
+    none (no tail starts "00-AA"), the budget stopped narrowing, and the answer ran to the limit. The
+    model here prefers a dozen string tokens to any ending, one after another as the loop guard refuses
+    each run: the answer still closes within its budget, with a match."""
+    tokenizer, grammars = smol
+    logits = _ranking(tokenizer, ["hello", "world", "!", "#", "$", "%", "&", "a", "b", "c", "d", "e"])
+    schema = {"type": "object", "properties": {"part": {"type": "string", "pattern": r"\d{3}-[A-Z]{2}"}},
+              "required": ["part"], "additionalProperties": False}
+    row = _decode(tokenizer, grammars.constraint(grammars.json_schema(schema)), logits, block_size, max_new_tokens=64)
+    part = json.loads(tokenizer.decode(row.generated))["part"]
+    assert row.finish_reason == "stop" and re.search(r"\d{3}-[A-Z]{2}", part), part

@@ -162,8 +162,8 @@ class _TimedConstraint:
         finally:
             self.seconds += time.perf_counter() - started
 
-    def allowed(self, within_budget: bool = True):
-        return self._timed(self.constraint.allowed, within_budget)
+    def allowed(self, within_budget: bool = True, scores=None):
+        return self._timed(self.constraint.allowed, within_budget, scores)
 
     def allows(self, token: int) -> bool:
         return self._timed(self.constraint.allows, token)

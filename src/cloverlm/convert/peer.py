@@ -270,7 +270,7 @@ def peer_generate_constrained(
             raise CloverError(f"the grammar has {allowed.numel()} tokens, the model {logits.numel()}")
         token = int(logits.argmax())  # as the engine does: the mask only where the model's choice is refused
         if not constraint.allows(token):
-            token = int(logits.masked_fill(~constraint.allowed(), float("-inf")).argmax())
+            token = int(logits.masked_fill(~constraint.allowed(scores=logits), float("-inf")).argmax())
         if token in stops:
             break
         constraint.advance(token)

@@ -206,6 +206,11 @@ class GrammarConstraint:
         self.refused = {"guard": 0, "budget": 0}  # model choices the grammar allowed but these rules did not
         self._ending: list[int] | None = None
         self._ending_at = -RECHECK  # when `_ending` was looked for (in tokens used)
+        # Endings proven at this position, by the token they follow (`_fits_after`): the search is greedy
+        # and may miss, from the state a token leads to, the ending that token was let in on (after the
+        # first "0" of a pattern's "000-AA" tail no tail starts "00-AA", and the answer ran to the limit).
+        # So `advance` keeps the ending a token was let in on, or the rest of the ending it begins.
+        self._proven: dict[int, list[int]] = {}
         self._mask: torch.Tensor | None = None
         self._mask_at = -1  # the grammar's mask and when it was computed (in tokens used)
 
@@ -221,13 +226,16 @@ class GrammarConstraint:
     def finished(self) -> bool:
         return self.matcher.is_accepting()
 
-    def allowed(self, within_budget: bool = True) -> torch.Tensor:
+    def allowed(self, within_budget: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
         """The grammar's mask; once the budget comes within WATCH tokens of a short ending, only tokens
-        after which such an ending fits: the ending's next token, and those of a small mask that fit.
-        `allows` accepts any token that fits, so the engine's greedy choice keeps its own way to close
-        where it has room (it asks `allows` first). Before the watch, near the budget, a few openers that
-        would leave no room are taken out (`_checks_openers`). within_budget=False: the grammar's mask
-        alone, which the engine measures the model's confidence against."""
+        after which such an ending fits: the ending's next token, and those of the mask that fit, all of
+        them where the mask is small, else the CHECK_AT_MOST best by `scores` that score above the
+        ending's token (the model's, when given: where its own choice was refused, its next ones rather
+        than the ending's token alone). `allows`
+        accepts any token that fits, so the engine's greedy choice keeps its own way to close where it
+        has room (it asks `allows` first). Before the watch, near the budget, a few openers that would
+        leave no room are taken out (`_checks_openers`). within_budget=False: the grammar's mask alone,
+        which the engine measures the model's confidence against."""
         if self._mask_at != self.used:  # the engine may ask twice at one position (see within_budget)
             self._mask, self._mask_at = self.grammars.mask(self.matcher, self.state), self.used
         mask = self._mask
@@ -244,10 +252,16 @@ class GrammarConstraint:
             return mask
         near = torch.zeros_like(mask)
         near[ending[0]] = True
-        candidates = mask.nonzero()[:, 0].tolist()
-        if len(candidates) <= CHECK_AT_MOST:
-            for token in candidates:
-                near[token] = near[token] or self._fits_after(token)
+        candidates = mask.nonzero()[:, 0]
+        if len(candidates) > CHECK_AT_MOST:
+            if scores is None:
+                return near
+            # only those the model prefers to the ending's token (a grammar's vocabulary may outnumber the model's)
+            ranked = candidates[candidates < len(scores)]
+            ranked = ranked[scores[ranked] > scores[ending[0]]] if ending[0] < len(scores) else ranked
+            candidates = ranked[scores[ranked].float().topk(min(CHECK_AT_MOST, len(ranked))).indices]
+        for token in candidates.tolist():
+            near[token] = near[token] or self._fits_after(token)
         return near
 
     def allows(self, token: int) -> bool:
@@ -271,9 +285,15 @@ class GrammarConstraint:
         return fits
 
     def advance(self, token: int) -> None:
+        proven = self._proven.get(token)
+        if self._ending and self._ending_at == self.used and token == self._ending[0]:
+            proven = self._ending[1:]
+        self._proven = {}
         self.matcher.consume_token(token)
         self.state.feed(token)
         self.used += 1
+        if proven is not None:
+            self._ending, self._ending_at = proven, self.used
 
     def forced(self) -> list[int]:
         return [] if self.matcher.is_stopped() else self.matcher.compute_ff_tokens()
@@ -304,4 +324,7 @@ class GrammarConstraint:
         if matcher.consume_token(token) is False:
             return False
         state.feed(token)
-        return self.grammars.ending(matcher, state, self.budget - self.used - 1, self.tails) is not None
+        ending = self.grammars.ending(matcher, state, self.budget - self.used - 1, self.tails)
+        if ending is not None:
+            self._proven[token] = ending
+        return ending is not None

@@ -72,10 +72,11 @@ def drafts_supported(config) -> bool:
 class Constraint(Protocol):
     """The grammar state of one request, advanced over the tokens it generates (in order)."""
 
-    def allowed(self, within_budget: bool = True) -> torch.Tensor:
+    def allowed(self, within_budget: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Bool [vocab] of the tokens that may come next; never empty (a finished grammar allows its end
         tokens, which should be stop tokens of the request). within_budget=False: without the narrowing
-        near the end of the budget (`limit`), the same where a grammar has none."""
+        near the end of the budget (`limit`), the same where a grammar has none. scores: the model's
+        [vocab] scores, which a grammar may use to decide which tokens to check near that end."""
         ...
 
     def allows(self, token: int) -> bool:

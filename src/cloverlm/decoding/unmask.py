@@ -186,7 +186,7 @@ def _constrained(row: DecodeRow, logits: torch.Tensor, tokens: torch.Tensor | No
                 token = int(tokens[position])
             else:
                 scores = logits[position].float().cpu()
-                masked = scores.masked_fill(~constraint.allowed()[: logits.shape[-1]], float("-inf"))
+                masked = scores.masked_fill(~constraint.allowed(scores=scores)[: logits.shape[-1]], float("-inf"))
                 token = choose_tokens(masked[None], params, row.generator)[0].item()
                 if not must_accept:
                     # Near the budget a grammar narrows its mask to a short ending, often one token: that
