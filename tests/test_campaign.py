@@ -76,6 +76,8 @@ def test_the_readme_section_is_replaced(tmp_path):
             "date": "2026-12-05",
             "minutes": minutes,
             "device": "cpu (2 threads)",
+            "mixture": {"no_fly_zones": 0.55, "chat": 0.2},
+            "chat_examples": 800,
             "results": {"smollm2-clover": entry},
         }
         _update_readme(tmp_path, summary)
@@ -86,6 +88,7 @@ def test_the_readme_section_is_replaced(tmp_path):
         and text.count(README_END) == 1
     )
     assert "train_campaign.sh 90" in text and "train_campaign.sh 60" not in text
+    assert "mixture no_fly_zones=0.55,chat=0.2, chat records: 800;" in text
     assert "| smollm2-clover (candidate) | 20 | 0.2 |" in text
 
 

@@ -175,7 +175,9 @@ def _update_readme(models: Path, summary: dict) -> None:
     readme = models / "README.md"
     text = readme.read_text() if readme.is_file() else ""
     body = (f"{README_START}\n## The training campaign, last session ({summary['date']})\n\n"
-            f"`scripts/train_campaign.sh {summary['minutes']:g}` on {summary['device']}; 20 held-out prompts a point, "
+            f"`scripts/train_campaign.sh {summary['minutes']:g}` on {summary['device']}, mixture "
+            f"{','.join(f'{k}={v:g}' for k, v in summary.get('mixture', {}).items()) or '-'}, chat records: "
+            f"{summary.get('chat_examples') or 'all'}; 20 held-out prompts a point, "
             f"20 messages, threshold 0.9, under the answer schema (evaluation/campaign.py). Promotion: the paired gain "
             f"on the no_fly points above twice its standard error, tool_call and chat not down by more than twice theirs.\n\n"
             f"{_readme_table(summary['results'])}\n{README_END}")  # fmt: skip
@@ -195,7 +197,8 @@ def run_campaign(cfg: CampaignConfig) -> dict:
     clover_cfg, peer_cfg = trainer_config(cfg, "diffusion", device), trainer_config(cfg, "ar", device)
     clover = _train(clover_cfg, cfg.minutes * cfg.clover_share)
     peer = _train(peer_cfg, None, stop_at=clover["steps"])
-    summary = {"date": time.strftime("%Y-%m-%d"), "minutes": cfg.minutes, "mixture": clover_cfg.mixture, "device": clover["device"],
+    summary = {"date": time.strftime("%Y-%m-%d"), "minutes": cfg.minutes, "mixture": clover_cfg.mixture,
+               "chat_examples": clover_cfg.chat_examples, "device": clover["device"],
                "train_seconds": round(time.time() - started), "clover": clover, "peer": peer, "results": {}}  # fmt: skip
     if cfg.evaluate:
         for objective, trained in (("diffusion", clover), ("ar", peer)):
