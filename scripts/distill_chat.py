@@ -97,8 +97,8 @@ def make_prompt(rng: random.Random, module: str, qualname: str, node, doc: str) 
     return rng.choice(templates).format(code=code, doc=doc, module=module, qualname=f"{module}.{qualname}")
 
 
-def prompts(split: str, count: int, exclude: set[str]) -> tuple[list[str], set[str]]:
-    """``count`` prompts from ``split`` whose docstrings are not in ``exclude``, and the docstrings used."""
+def prompts(split: str, count: int, exclude: set[str]) -> tuple[list[str], list[str]]:
+    """``count`` prompts from ``split`` whose docstrings are not in ``exclude``, and their docstrings in order."""
     seen, items = set(exclude), []
     for path in stdlib_files(split):
         for module, qualname, node, doc in docstrings(path):
@@ -110,7 +110,7 @@ def prompts(split: str, count: int, exclude: set[str]) -> tuple[list[str], set[s
     items = items[:count]
     if len(items) < count:
         raise SystemExit(f"only {len(items)} docstrings in split {split!r}, asked for {count}")
-    return [make_prompt(rng, *item) for item in items], {item[3] for item in items}
+    return [make_prompt(rng, *item) for item in items], [item[3] for item in items]
 
 
 @torch.no_grad()
@@ -153,9 +153,8 @@ def main() -> None:
 
     # The held-out prompts exclude the first HELDOUT_EXCLUDES training prompts' docstrings (the set they
     # were first drawn against, so that a larger --train keeps them); later training prompts skip theirs.
-    train_prompts, _ = prompts("train", args.train, set())
-    _, first_used = prompts("train", min(args.train, HELDOUT_EXCLUDES), set())
-    heldout_prompts, heldout_docs = prompts("val", args.heldout, first_used)
+    train_prompts, train_docs = prompts("train", args.train, set())
+    heldout_prompts, heldout_docs = prompts("val", args.heldout, set(train_docs[:HELDOUT_EXCLUDES]))
     train_prompts = train_prompts[:HELDOUT_EXCLUDES] + [
         p for p in train_prompts[HELDOUT_EXCLUDES:] if not any(doc in p for doc in heldout_docs)
     ]

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from cloverlm.convert.graft import calibration_ids, default_memory_layers, graft_memory
+from cloverlm.convert.graft import graft_with_calibration
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.model.checkpoint import save_model
 from cloverlm.training.graft.base import STUDENT_DIR
@@ -39,11 +39,6 @@ from cloverlm.training.graft.stage2 import GraftStage2, Stage2Config
 MIXER = ".linear_attn."  # the grafted layers' mixers: model.layers.{i}.linear_attn.*
 
 
-def graft(teacher: str, out: Path, memory_layers: list[int] | None) -> list[int]:
-    model, tokenizer = load_model(teacher), load_folder_tokenizer(teacher)
-    layers = memory_layers or default_memory_layers(model.config.num_hidden_layers)
-    save_model(graft_memory(model, layers, calibration=calibration_ids(tokenizer)), tokenizer, out)
-    return layers
 
 
 def teacher_digest(teacher: str | Path) -> str:
@@ -59,7 +54,8 @@ def train(args) -> dict:
     hybrid = out / "hybrid"
     started, summary = time.monotonic(), {}  # grafting counts against the minutes: the window's deadline is fixed
     if not (hybrid / "model.safetensors").is_file():
-        graft(args.teacher, hybrid, args.memory_layers)
+        tokenizer = load_folder_tokenizer(args.teacher)
+        save_model(graft_with_calibration(load_model(args.teacher), tokenizer, args.memory_layers)[0], tokenizer, hybrid)
     shape = {"rows_per_step": args.rows_per_step, "seq_len": args.seq_len, "device": args.device}
     for name, stage, config, student, tokens, minutes in (
         ("stage1", GraftStage1, Stage1Config, hybrid, args.stage1_tokens, args.minutes * args.stage1_share),
@@ -99,8 +95,8 @@ def rebuild(teacher: str, mixers_file: Path, out: Path) -> dict:
         raise SystemExit(f"{teacher} is not the teacher these mixers learnt from (its weights differ): "
                          "graft the teacher of the window (the adapter staged then)")
     trained = load_file(str(mixers_file))
-    graft(teacher, out, layers)
-    model = load_model(out)
+    tokenizer = load_folder_tokenizer(teacher)
+    model, _ = graft_with_calibration(load_model(teacher), tokenizer, layers)
     state = model.state_dict()
     own = {key for key in state if MIXER in key}
     if own != set(trained):
@@ -110,7 +106,7 @@ def rebuild(teacher: str, mixers_file: Path, out: Path) -> dict:
     if wrong:
         raise SystemExit(f"shapes differ for {wrong[:3]}")
     model.load_state_dict({key: trained[key].to(state[key].dtype) for key in own}, strict=False)
-    save_model(model, load_folder_tokenizer(teacher), out)
+    save_model(model, tokenizer, out)
     return {"out": str(out), "layers": layers, "tensors": len(own)}
 
 

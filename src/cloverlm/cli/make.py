@@ -208,7 +208,7 @@ def cmd_convert(args) -> None:
 def _graft(args) -> None:
     """--graft memory: a Clover folder (or --base, converted) with memory layers in place of attention layers."""
     from cloverlm.convert.base import converted
-    from cloverlm.convert.graft import calibration_ids, default_memory_layers, graft_memory
+    from cloverlm.convert.graft import graft_with_calibration
     from cloverlm.convert.load import load_folder_tokenizer, load_model
     from cloverlm.model.checkpoint import save_model
 
@@ -216,13 +216,13 @@ def _graft(args) -> None:
         model, tokenizer = load_model(Path(args.source)), load_folder_tokenizer(Path(args.source))
     else:
         model, tokenizer = converted(args.base)
-    layers = default_memory_layers(model.config.num_hidden_layers)
+    layers = None
     if args.memory_layers is not None:
         try:
             layers = [int(i) for i in args.memory_layers.split(",") if i.strip()]
         except ValueError:
             raise CloverError(f"--memory-layers expects comma-separated integers, got '{args.memory_layers}'") from None
-    graft = graft_memory(model, layers, calibration=calibration_ids(tokenizer))
+    graft, layers = graft_with_calibration(model, tokenizer, layers)
     save_model(graft, tokenizer, Path(args.out))
     kept = [i for i in range(model.config.num_hidden_layers) if i not in layers]
     print(f"{args.source or args.base} grafted: {len(layers)} memory layers, attention kept at {kept}, "

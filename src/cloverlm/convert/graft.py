@@ -246,3 +246,12 @@ def calibration_ids(tokenizer, tokens: int = 384, seed: int = 0) -> torch.Tensor
             ids += tokenizer(text, add_special_tokens=False)["input_ids"]
         seed += 1
     return torch.tensor([ids[:tokens]])
+
+
+def graft_with_calibration(
+    model: CloverForBlockDiffusion, tokenizer, memory_layers: Sequence[int] | None = None
+) -> tuple[CloverForBlockDiffusion, list[int]]:
+    """(the graft `clover convert --graft memory` makes of `model`, its memory layers): `memory_layers`, or
+    three in four by default, calibrated on task text in `tokenizer`'s chat format (calibration_ids)."""
+    layers = list(memory_layers) if memory_layers is not None else default_memory_layers(model.config.num_hidden_layers)
+    return graft_memory(model, layers, calibration=calibration_ids(tokenizer)), layers
