@@ -14,8 +14,9 @@ per variant.
 model and the same batches: `default` (what the trainer chooses on this machine), or a name of parts
 `fp32` | `bf16`, `dense` | `segmented` (attention: one mask over both streams, or only what it allows),
 `castbase` (autocast casts the fp32 frozen base every forward instead of holding it in bf16) and
-`batched` (a step's rows padded into one forward, not one row at a time). `fp32-dense-batched` is the
-trainer before these choices existed (main at 135493c) on a CPU.
+`batched` (a step's rows padded into one forward, not one row at a time), `drawsN` (N masks drawn per
+answer block: ConvertConfig.noisy_draws). `fp32-dense-batched` is the trainer before these choices
+existed (main at 135493c) on a CPU. Each variant's tokens are its own batches' (draws add noisy slots).
 """
 
 from __future__ import annotations
@@ -59,13 +60,15 @@ def attention_share(trainer: ConvertTrainer, batch) -> dict:
 
 def build_trainer(args, out: str, variant: str) -> ConvertTrainer:
     parts = set(variant.split("-"))
+    draws = [int(p[5:]) for p in parts if p.startswith("draws") and p[5:].isdigit()]
+    parts -= {f"draws{n}" for n in draws}
     unknown = parts - {"default", "fp32", "bf16", "dense", "segmented", "castbase", "batched"}
     if unknown:
         raise SystemExit(f"unknown variant parts {sorted(unknown)} in {variant!r}")
     bf16 = True if "bf16" in parts else False if "fp32" in parts else None
     cfg = ConvertConfig(out=out, device=args.device, tokens_per_step=args.tokens_per_step, rows_per_step=args.rows_per_step,
                         pad_multiple=args.pad_multiple, compile=args.compile, objective=args.objective, bf16=bf16,
-                        max_steps=args.warmup + args.steps + 1)  # fmt: skip
+                        noisy_draws=draws[0] if draws else 1, max_steps=args.warmup + args.steps + 1)  # fmt: skip
     trainer = ConvertTrainer(cfg)
     if "dense" in parts or "segmented" in parts:
         trainer.segmented = "segmented" in parts
@@ -101,7 +104,7 @@ def main() -> None:
         for v, trainer in trainers.items():  # the same examples and masks; segments only where used
             batches[v] = [trainer.data.step_batch(step, trainer.pad_multiple, trainer.segmented) for step in range(n)]
         seconds = {v: [] for v in variants}
-        tokens, padded = [], []
+        tokens, noisy, padded = ({v: [] for v in variants} for _ in range(3))
         for index in range(n - 1):
             for v, trainer in trainers.items():  # interleaved: the machine's drift touches every variant alike
                 synchronize(trainer.device)
@@ -110,14 +113,15 @@ def main() -> None:
                 synchronize(trainer.device)
                 if index >= args.warmup:
                     seconds[v].append(time.perf_counter() - started)
-            if index >= args.warmup:
-                batch, ar = batches[variants[0]][index], args.objective == "ar"
+            for v in variants if index >= args.warmup else ():
+                batch, ar = batches[v][index], args.objective == "ar"
                 counts = batch.token_counts()
-                tokens.append(counts["clean"] + (0 if ar else counts["noisy"]))
-                padded.append(batch.clean_ids.numel() + (0 if ar else batch.noisy.input_ids.numel()))
+                tokens[v].append(counts["clean"] + (0 if ar else counts["noisy"]))
+                noisy[v].append(0 if ar else counts["noisy"])
+                padded[v].append(batch.clean_ids.numel() + (0 if ar else batch.noisy.input_ids.numel()))
         base_rate = None
         for v, trainer in trainers.items():
-            rates = [t / s for t, s in zip(tokens, seconds[v])]
+            rates = [t / s for t, s in zip(tokens[v], seconds[v])]
             rate = statistics.median(rates)
             base_rate = base_rate or rate
             report = {
@@ -126,8 +130,9 @@ def main() -> None:
                 "pad_multiple": trainer.pad_multiple, "compile": args.compile, "bf16": trainer.bf16,
                 "segmented": trainer.segmented, "steps": args.steps,
                 "median_step_s": round(statistics.median(seconds[v]), 3), "median_tokens_per_s": round(rate),
-                "speedup_vs_first": round(rate / base_rate, 2), "mean_tokens_per_step": round(statistics.mean(tokens)),
-                "padding_share": round(1 - sum(tokens) / sum(padded), 3),
+                "median_noisy_tokens_per_s": round(statistics.median(n / s for n, s in zip(noisy[v], seconds[v]))),
+                "speedup_vs_first": round(rate / base_rate, 2), "mean_tokens_per_step": round(statistics.mean(tokens[v])),
+                "padding_share": round(1 - sum(tokens[v]) / sum(padded[v]), 3),
             }  # fmt: skip
             if not args.no_profile:
                 report |= attention_share(trainer, batches[v][-1])

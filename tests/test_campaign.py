@@ -78,6 +78,7 @@ def test_the_readme_section_is_replaced(tmp_path):
             "device": "cpu (2 threads)",
             "mixture": {"no_fly_zones": 0.55, "chat": 0.2},
             "chat_examples": 800,
+            "noisy_draws": 2,
             "results": {"smollm2-clover": entry},
         }
         _update_readme(tmp_path, summary)
@@ -88,7 +89,7 @@ def test_the_readme_section_is_replaced(tmp_path):
         and text.count(README_END) == 1
     )
     assert "train_campaign.sh 90" in text and "train_campaign.sh 60" not in text
-    assert "mixture no_fly_zones=0.55,chat=0.2, chat records: 800;" in text
+    assert "mixture no_fly_zones=0.55,chat=0.2, chat records: 800, noisy draws per block: 2;" in text
     assert "| smollm2-clover (candidate) | 20 | 0.2 |" in text
 
 
@@ -147,7 +148,7 @@ def test_a_campaign_that_has_begun_keeps_its_data_and_step_shape(tmp_path):
     """Defaults may change between sessions; a resumed run still sees the batches it would have seen."""
     fresh = trainer_config(CampaignConfig(minutes=1, out=str(tmp_path)), "diffusion", "cpu")
     assert (fresh.rows_per_step, fresh.tokens_per_step) == STEP_SHAPE["cpu"] and fresh.distractor_weights
-    assert fresh.chat_examples is None  # a new run draws from every chat record
+    assert fresh.chat_examples is None and fresh.noisy_draws == 1  # a new run draws from every chat record
     state = tmp_path / "smollm2-clover" / "checkpoint" / "train_state.json"
     state.parent.mkdir(parents=True)
     stored = {
@@ -172,6 +173,9 @@ def test_a_campaign_that_has_begun_keeps_its_data_and_step_shape(tmp_path):
     assert changed.mixture == {"chat": 1.0} and changed.rows_per_step == 3
     more_chat = trainer_config(CampaignConfig(minutes=1, out=str(tmp_path), chat_examples=800), "diffusion", "cpu")
     assert more_chat.chat_examples == 800 and more_chat.mixture == {"no_fly_zones": 1.0}
+    assert more_chat.noisy_draws == 1  # the default of its day, not stored then
+    more_noisy = trainer_config(CampaignConfig(minutes=1, out=str(tmp_path), noisy_draws=2), "diffusion", "cpu")
+    assert more_noisy.noisy_draws == 2 and more_noisy.chat_examples == 128
 
 
 def test_a_mixture_is_parsed_or_refused_with_what_is_wrong():

@@ -136,6 +136,22 @@ def test_noisy_blocks_follow_the_shifted_convention():
     assert batch.answer_targets.tolist() == ids[3:]
 
 
+def test_each_draw_is_a_complementary_pair_of_its_own_and_one_draw_keeps_the_old_batches():
+    segment = Segment(prompt=[1, 40, 41], answer=[50, 51, 52, 53, 54, 55, 56, 2])
+    one = build_batch([[segment]], end_id=2, mask_id=MASK, generator=torch.Generator().manual_seed(4), sizes=(4,))
+    default = build_batch([[segment]], 2, MASK, torch.Generator().manual_seed(4), sizes=(4,), draws=1)
+    assert one.noisy.input_ids.equal(default.noisy.input_ids) and one.scored.equal(default.scored)
+    three = build_batch([[segment]], 2, MASK, torch.Generator().manual_seed(4), sizes=(4,), draws=3)
+    assert three.noisy.input_ids.shape[1] == 3 * one.noisy.input_ids.shape[1]  # 2 blocks x 3 draws x 2 copies x 4
+    blocks = three.noisy.block[0].view(-1, 4)[:, 0].tolist()
+    assert blocks == list(range(12)) and three.noisy.history[0].view(-1, 4)[:, 0].tolist() == [2] * 6 + [6] * 6
+    scored = three.scored[0].view(2, 3, 2, 4)  # answer block, draw, copy, slot
+    assert bool((scored[:, :, 0, :3] ^ scored[:, :, 1, :3]).all())  # each draw's pair covers every target once
+    assert three.targets[0].view(2, 6, 4).eq(torch.tensor([[50, 51, 52, 53], [54, 55, 56, 2]])[:, None]).all()
+    with pytest.raises(CloverError, match="at least 1"):
+        build_batch([[segment]], 2, MASK, torch.Generator(), draws=0)
+
+
 def test_conversion_loss_trains_the_mask_row_and_answers(pair):
     _, model = pair
     generator = torch.Generator().manual_seed(5)

@@ -23,10 +23,10 @@ ROWS = [
 ]  # fmt: skip
 
 
-def _batch(sizes, segmented, pad_multiple=1, rows=ROWS):
+def _batch(sizes, segmented, pad_multiple=1, rows=ROWS, draws=1):
     generator = torch.Generator().manual_seed(7)
     return build_batch(rows, end_id=2, mask_id=MASK, generator=generator, sizes=sizes, pad_multiple=pad_multiple,
-                       segmented=segmented)  # fmt: skip
+                       segmented=segmented, draws=draws)  # fmt: skip
 
 
 def _loss_and_grads(model, batch, loss_fn=conversion_loss):
@@ -44,9 +44,10 @@ def model():
 
 @pytest.mark.parametrize("sizes", [(1,), (2,), (4,), (8,), (16,), (32,), (4, 8, 16, 32)])
 @pytest.mark.parametrize("pad_multiple", [1, 64])
-def test_segments_give_the_dense_masks_loss_and_gradients(model, sizes, pad_multiple):
-    dense = _batch(sizes, segmented=False, pad_multiple=pad_multiple)
-    segmented = _batch(sizes, segmented=True, pad_multiple=pad_multiple)
+@pytest.mark.parametrize("draws", [1, 2])
+def test_segments_give_the_dense_masks_loss_and_gradients(model, sizes, pad_multiple, draws):
+    dense = _batch(sizes, segmented=False, pad_multiple=pad_multiple, draws=draws)
+    segmented = _batch(sizes, segmented=True, pad_multiple=pad_multiple, draws=draws)
     assert dense.noisy.segments is None and len(segmented.noisy.segments) == len(ROWS)
     assert segmented.targets.equal(dense.targets) and segmented.scored.equal(dense.scored)  # the same draws
     loss, grads, _ = _loss_and_grads(model, dense)

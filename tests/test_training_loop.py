@@ -190,7 +190,7 @@ def test_a_resumed_conversion_run_takes_the_steps_of_an_uninterrupted_one(tiny_b
     with monkeypatch.context() as patch, pytest.raises(RuntimeError, match="simulated crash"):
         crash_at(ConvertTrainer, 2, patch)
         trainer("run").run()
-    with pytest.raises(CloverError, match=r"configuration than the checkpoint's: lr \(only max_steps, minutes, out, init_adapter, device, mixture, chat_examples may change\)"):
+    with pytest.raises(CloverError, match=r"configuration than the checkpoint's: lr \(only max_steps, minutes, out, init_adapter, device, mixture, chat_examples, noisy_draws may change\)"):
         ConvertTrainer(config("run", lr=1e-3), resume=True)
     shutil.move(tmp_path / "run", tmp_path / "moved")  # a run goes on in another folder (another session)
     resumed = trainer("moved", resume=True)

@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=int)
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--init-adapter", help="start from this adapter folder (fresh optimizer and warm-up)")
+    g.add_argument("--noisy-draws", type=int, help="masks drawn per answer block, each with its complement (default 1)")
     g.add_argument("--certainty-weight", type=float, help="certainty forcing on right noisy predictions (distill: 0.5)")
     g.add_argument("--trajectories", type=int, default=256, help="--recipe distill: prompts answered one token a step")
     g = p.add_argument_group("--recipe graft-stage1 and graft-stage2 (also --seq-len, --rows-per-step, --lr, --warmup-steps, --device, --fp32)")

@@ -113,7 +113,7 @@ def _train_convert(args) -> None:
         torch.set_num_threads(args.threads)
     fields = {"base": args.base, "seed": args.seed, "objective": "ar" if args.arch == "ar" else "diffusion"}
     for name in ("max_steps", "minutes", "lr", "eval_every", "checkpoint_every", "device", "tokens_per_step",
-                 "rows_per_step", "pad_multiple", "warmup_steps", "certainty_weight", "init_adapter"):  # fmt: skip
+                 "rows_per_step", "pad_multiple", "warmup_steps", "noisy_draws", "certainty_weight", "init_adapter"):  # fmt: skip
         value = getattr(args, name)
         if value is not None:
             fields[name] = value

@@ -65,6 +65,9 @@ class CampaignConfig:
     # None: the run's own (a new run: every record of data/chat_distill/train.jsonl). Given: the first N
     # records from the next step on (more records where the model had learnt the few it saw by heart)
     chat_examples: int | None = None
+    # None: the run's own (a new run: 1). Given: masks drawn per answer block from the next step on
+    # (ConvertConfig.noisy_draws)
+    noisy_draws: int | None = None
     full_size_share: float = 0.6  # 20-message no_fly prompts: the size the targets are measured at
     # the two look-alikes the shipped model lists as zones most (18 of 19: docs/error_analysis.md)
     distractor_weights: dict[str, float] = field(
@@ -84,12 +87,14 @@ def trainer_config(cfg: CampaignConfig, objective: str, device: str) -> ConvertC
     rows, tokens = STEP_SHAPE[device]
     data = {"rows_per_step": cfg.rows_per_step or rows, "tokens_per_step": cfg.tokens_per_step or tokens,
             "mixture": dict(cfg.mixture or CAMPAIGN_MIXTURE), "full_size_share": cfg.full_size_share,
-            "distractor_weights": dict(cfg.distractor_weights), "chat_examples": cfg.chat_examples}  # fmt: skip
+            "distractor_weights": dict(cfg.distractor_weights), "chat_examples": cfg.chat_examples,
+            "noisy_draws": cfg.noisy_draws or 1}  # fmt: skip
     state = Path(cfg.out) / name / "checkpoint" / STATE_FILE
     if state.is_file():
         stored = asdict(ConvertConfig()) | json.loads(state.read_text())["config"]
         data = {key: stored[key] for key in data} | ({"mixture": dict(cfg.mixture)} if cfg.mixture else {})
         data |= {"chat_examples": cfg.chat_examples} if cfg.chat_examples else {}
+        data |= {"noisy_draws": cfg.noisy_draws} if cfg.noisy_draws else {}
     return ConvertConfig(
         objective=objective, out=str(Path(cfg.out) / name), seed=cfg.seed, **data, lr=cfg.lr, warmup_steps=10,
         max_steps=cfg.schedule_steps, eval_every=100, checkpoint_every=10, device=cfg.device,
@@ -177,7 +182,7 @@ def _update_readme(models: Path, summary: dict) -> None:
     body = (f"{README_START}\n## The training campaign, last session ({summary['date']})\n\n"
             f"`scripts/train_campaign.sh {summary['minutes']:g}` on {summary['device']}, mixture "
             f"{','.join(f'{k}={v:g}' for k, v in summary.get('mixture', {}).items()) or '-'}, chat records: "
-            f"{summary.get('chat_examples') or 'all'}; 20 held-out prompts a point, "
+            f"{summary.get('chat_examples') or 'all'}, noisy draws per block: {summary.get('noisy_draws', 1)}; 20 held-out prompts a point, "
             f"20 messages, threshold 0.9, under the answer schema (evaluation/campaign.py). Promotion: the paired gain "
             f"on the no_fly points above twice its standard error, tool_call and chat not down by more than twice theirs.\n\n"
             f"{_readme_table(summary['results'])}\n{README_END}")  # fmt: skip
@@ -198,7 +203,7 @@ def run_campaign(cfg: CampaignConfig) -> dict:
     clover = _train(clover_cfg, cfg.minutes * cfg.clover_share)
     peer = _train(peer_cfg, None, stop_at=clover["steps"])
     summary = {"date": time.strftime("%Y-%m-%d"), "minutes": cfg.minutes, "mixture": clover_cfg.mixture,
-               "chat_examples": clover_cfg.chat_examples, "device": clover["device"],
+               "chat_examples": clover_cfg.chat_examples, "noisy_draws": clover_cfg.noisy_draws, "device": clover["device"],
                "train_seconds": round(time.time() - started), "clover": clover, "peer": peer, "results": {}}  # fmt: skip
     if cfg.evaluate:
         for objective, trained in (("diffusion", clover), ("ar", peer)):
@@ -261,6 +266,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--chat-examples", type=int, help="chat records the run draws from, from the next step on (default: the run's own)"
     )
+    parser.add_argument(
+        "--noisy-draws", type=int, help="masks drawn per answer block, from the next step on (default: the run's own)"
+    )
     parser.add_argument("--no-eval", action="store_true", help="train only (no evaluation, no promotion)")
     parser.add_argument(
         "--no-promote", action="store_true", help="evaluate but leave the shipped folders as they are"
@@ -286,6 +294,6 @@ def run_from_args(args) -> dict:
         torch.set_num_threads(args.threads)
     cfg = CampaignConfig(minutes=args.minutes, out=args.out, models=args.models, device=args.device, prompts=args.prompts,
                          rows_per_step=args.rows_per_step, tokens_per_step=args.tokens_per_step, mixture=args.mixture,
-                         chat_examples=args.chat_examples,
+                         chat_examples=args.chat_examples, noisy_draws=args.noisy_draws,
                          evaluate=not args.no_eval, promote=not args.no_promote)  # fmt: skip
     return run_campaign(cfg)

@@ -49,4 +49,7 @@ class ConvertConfig:
     chat_examples: int | None = 128  # the first N records of data/chat_distill/train.jsonl (None: all)
     init_adapter: str | None = None  # start from this adapter folder (fresh optimizer, warm-up again)
     distill_data: str | None = None  # trajectories (training/conversion/distill.py) for the mixture's "distill" source
+    # masks drawn per answer block, each with its complementary copy: the noisy stream (what decoding in
+    # parallel learns from) grows, the clean prompt it attends to is still computed once
+    noisy_draws: int = 1
     certainty_weight: float = 0.0  # certainty forcing on right noisy predictions (objective.conversion_loss)

@@ -113,4 +113,5 @@ class ConversionData:
         objective.build_batch)."""
         generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         rows = [self.row_segments(step, row) for row in range(self.cfg.rows_per_step)]
-        return build_batch(rows, self.end_id, self.mask_id, generator, pad_multiple=pad_multiple, segmented=segmented)
+        return build_batch(rows, self.end_id, self.mask_id, generator, pad_multiple=pad_multiple, segmented=segmented,
+                           draws=self.cfg.noisy_draws)

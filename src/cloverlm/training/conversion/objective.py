@@ -6,7 +6,7 @@ targets are x_s .. x_{s+B-1} is fed as [x_{s-1}, x_s or MASK, ..., x_{s+B-2} or 
 s-1 .. s+B-2 and sees the clean positions before s-1. A block draws t ~ U(0, 1) and masks each target
 with probability t; slot j is scored when its target is masked, and the last slot always (its target
 never appears inside the block). The complementary copy masks exactly the other targets, so every
-target is scored once per pair. The clean stream's next-token loss over the answer (the B = 1 case)
+target is scored once per pair; a block may draw several pairs (`draws`). The clean stream's next-token loss over the answer (the B = 1 case)
 comes for free. Answers are padded with end tokens to whole blocks.
 """
 
@@ -94,7 +94,7 @@ class _Row:
     example_ends: list[int] = field(default_factory=list)  # one past each example's last noisy slot
 
 
-def _pack_row(segments: list[Segment], end_id: int, mask_id: int, generator, sizes, complementary: bool) -> _Row:
+def _pack_row(segments: list[Segment], end_id: int, mask_id: int, generator, sizes, complementary: bool, draws: int) -> _Row:
     if not segments:
         raise CloverError("a conversion batch row needs at least one example")
     row, block_number = _Row(), 0
@@ -112,9 +112,11 @@ def _pack_row(segments: list[Segment], end_id: int, mask_id: int, generator, siz
         row.answer_flags += [False] * len(segment.prompt) + [True] * len(answer)
         ids, s = row.ids, start
         for size in partition:
-            t = float(torch.rand((), generator=generator))
-            masked = torch.rand(size, generator=generator) < t
-            copies = [masked, ~masked] if complementary else [masked]
+            copies = []
+            for _ in range(draws):
+                t = float(torch.rand((), generator=generator))
+                masked = torch.rand(size, generator=generator) < t
+                copies += [masked, ~masked] if complementary else [masked]
             for target_masked in copies:
                 target_masked = target_masked.clone()
                 target_masked[-1] = True  # the last target is never an input of its block
@@ -171,17 +173,22 @@ def padded_length(length: int, multiple: int) -> int:
 
 def build_batch(
     rows: list[list[Segment]], end_id: int, mask_id: int, generator: torch.Generator, sizes=CONVERT_BLOCK_SIZES,
-    complementary: bool = True, pad_multiple: int = 1, segmented: bool = False,
+    complementary: bool = True, pad_multiple: int = 1, segmented: bool = False, draws: int = 1,
 ) -> ConversionBatch:
     """Pack each row's segments into one sequence, draw the noisy answer blocks (deterministic given the
     generator, row after row) and pad every row to a common clean and noisy length, each rounded up to
     `pad_multiple`. Padding changes no loss: it is neither scored nor seen by a real position.
 
     segmented=True adds the noisy stream's segments (NoisyBlocks.segments): the same loss and gradients
-    as the dense mask, at the cost of what it allows (the CPU's path)."""
+    as the dense mask, at the cost of what it allows (the CPU's path).
+
+    draws > 1 draws each block's mask that many times (each with its complementary copy): more noisy
+    slots per clean forward, whose cost (a long prompt, computed once) they share."""
     if not rows:
         raise CloverError("a conversion batch needs at least one row")
-    packed = [_pack_row(segments, end_id, mask_id, generator, sizes, complementary) for segments in rows]
+    if draws < 1:
+        raise CloverError(f"noisy draws per block must be at least 1, got {draws}")
+    packed = [_pack_row(segments, end_id, mask_id, generator, sizes, complementary, draws) for segments in rows]
     clean_length = padded_length(max(len(r.ids) - 1 for r in packed), pad_multiple)
     noisy_length = padded_length(max(len(r.slot_ids) for r in packed), pad_multiple)
 

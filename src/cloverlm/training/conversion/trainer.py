@@ -67,7 +67,7 @@ def frozen_linears_to(peft_model, dtype: torch.dtype) -> None:
             base.weight.data = base.weight.data.to(dtype)
 
 
-RESUME_MAY_CHANGE = ("max_steps", "minutes", "out", "init_adapter", "device", "mixture", "chat_examples")
+RESUME_MAY_CHANGE = ("max_steps", "minutes", "out", "init_adapter", "device", "mixture", "chat_examples", "noisy_draws")
 
 
 class ConvertTrainer(Loop):
@@ -85,9 +85,9 @@ class ConvertTrainer(Loop):
         if self.saved is not None:
             stored = asdict(ConvertConfig()) | self.saved["config"]  # fields added since take their defaults
             # what may differ: the length, where the run folder and the warm start's folder now are, the
-            # machine (a run moves between sessions and devices) and the data drawn from (the mixture and the chat
-            # records: a step's batch is a function of the step and the config, so the run still resumes
-            # exactly; campaign.py changes them only when asked);
+            # machine (a run moves between sessions and devices) and the data drawn from (the mixture, the chat
+            # records and the noisy draws per block: a step's batch is a function of the step and the config,
+            # so the run still resumes exactly; campaign.py changes them only when asked);
             # the model, the schedule and the step's shape may not
             free = {key: stored[key] for key in RESUME_MAY_CHANGE}
             if stored != asdict(cfg) | free:
