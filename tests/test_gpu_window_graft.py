@@ -2,6 +2,7 @@
 mixers, and the student rebuilt from them here is the one trained there, on the teacher it learnt from."""
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,13 @@ def test_mixers_are_not_put_into_a_graft_of_another_teacher(window):
     save_model(other, load_folder_tokenizer(teacher), root / "other_teacher")
     with pytest.raises(SystemExit, match="not the teacher these mixers learnt from"):
         run_graft.rebuild(str(root / "other_teacher"), root / "mixers.safetensors", root / "wrong")
+
+
+def test_the_teacher_is_known_by_its_weights_not_by_its_block_size_head(window, tmp_path):
+    """The window's payload carries a teacher without calibration.safetensors; the folder here has one."""
+    teacher, _, _, root = window
+    copy = tmp_path / "teacher"
+    shutil.copytree(teacher, copy)
+    (copy / "calibration.safetensors").write_bytes(b"a refitted head")
+    assert run_graft.teacher_digest(copy) == run_graft.teacher_digest(teacher)
+    assert run_graft.rebuild(str(copy), root / "mixers.safetensors", tmp_path / "rebuilt")["layers"] == [1, 2]

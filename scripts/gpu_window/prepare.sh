@@ -55,6 +55,7 @@ b = BASES[DEFAULT_BASE]; print(Path(u.find_spec(b.package).origin).parent / b.gg
     mkdir -p "$build/models/$name"
     cp models/$name/{adapter_model.safetensors,adapter_config.json,clover_adapter.json} "$build/models/$name/"
   done
+  (cd "$build/models" && sha256sum */*) > "$STAGE/staged_models.sha256"  # begin refuses a stage models/ has outgrown
   echo "compressing the payload (xz -6, one thread, niced; ~3 min)..."
   tar -C "$build" -cf - pylib wheels models | nice -n 19 xz -6 -T1 > "$STAGE/payload.tar.xz"
   sha256sum "$STAGE/payload.tar.xz" | cut -d' ' -f1 > "$STAGE/call2/payload.sha256"
@@ -102,6 +103,9 @@ WARNING: models/ is about to leave git's index (git rm -r --cached; the files st
 EOF
   git diff --cached --quiet -- models || { echo "changes to models/ are staged: commit or unstage them first" >&2; exit 1; }
   [ -d "$STAGE/call1" ] && [ -d "$STAGE/call2" ] || { echo "run 'prepare.sh stage' first" >&2; exit 1; }
+  # a promotion since staging would send the old adapters: the window would train (or graft) from those
+  (cd models && sha256sum --quiet -c "../$STAGE/staged_models.sha256") \
+    || { echo "models/ changed since 'prepare.sh stage' (a promotion?), or the stage predates this check: stage again" >&2; exit 1; }
   git rm -r -q --cached models
   exclude_line add "/$STAGE/"
   exclude_line add "$MARK"

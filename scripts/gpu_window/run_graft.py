@@ -31,21 +31,25 @@ from safetensors.torch import load_file, save_file
 
 from cloverlm.convert.graft import graft_with_calibration
 from cloverlm.convert.load import load_folder_tokenizer, load_model
-from cloverlm.model.checkpoint import save_model
+from cloverlm.model.checkpoint import WEIGHTS, save_model
 from cloverlm.training.graft.base import STUDENT_DIR
 from cloverlm.training.graft.stage1 import GraftStage1, Stage1Config
 from cloverlm.training.graft.stage2 import GraftStage2, Stage2Config
 
 MIXER = ".linear_attn."  # the grafted layers' mixers: model.layers.{i}.linear_attn.*
-
-
+# What a teacher's model is made of: a whole model's weights, or a LoRA adapter's over the pip base. Not the
+# block-size head (calibration.safetensors), which the window's payload leaves out and a promotion refits.
+TEACHER_WEIGHTS = (WEIGHTS, "adapter_model.safetensors")
 
 
 def teacher_digest(teacher: str | Path) -> str:
     """The teacher's weights, by content: mixers are put back only into a graft of the teacher they learnt from."""
     digest = hashlib.sha256()
-    for path in sorted(Path(teacher).glob("*.safetensors")):
-        digest.update(path.read_bytes())
+    paths = [Path(teacher) / name for name in TEACHER_WEIGHTS if (Path(teacher) / name).is_file()]
+    if not paths:
+        raise SystemExit(f"{teacher}: no {' or '.join(TEACHER_WEIGHTS)}: not a model folder")
+    for path in paths:
+        digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
