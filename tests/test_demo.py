@@ -14,6 +14,8 @@ from rich.console import Console
 from cloverlm import CloverError, preset_config, tasks
 from cloverlm.cli import main
 from cloverlm.convert.peer import build_peer, peer_config
+from cloverlm.decoding.calibration import Calibration
+from cloverlm.decoding.params import DecodeParams
 from cloverlm.demo.messages import (
     Messages,
     answer_token_budget,
@@ -28,13 +30,13 @@ from cloverlm.demo.plots import (
     render_zone_map,
     zone_cylinder,
 )
-from cloverlm.demo.run import DecodeView, demo, run_demo
+from cloverlm.demo.run import DEMO_BLOCK_SIZE, DecodeView, demo, run_demo
 from cloverlm.model.checkpoint import save_model
 from cloverlm.tasks.base import dumps
 from cloverlm.tasks.no_fly_zones import FIELDS, format_prompt, parse_zones, prompt_messages
 from conftest import TINY, tiny_model
 
-REPORT_FIELDS = {"clover", "peer", "speedup", "schema", "answers"}
+REPORT_FIELDS = {"clover", "peer", "speedup", "schema", "answers", "block_size"}
 CLOVER_FIELDS = {"zones", "wall_s", "tpf", "zone_exact_match"}
 PEER_FIELDS = {"zones", "wall_s", "tpf", "zone_exact_match"}
 ZONE_A = {"id": "A1234/26", "lat": 47.4581, "lon": 8.5551, "radius": 3.0, "unit": "NM", "lower": "SFC",
@@ -336,3 +338,18 @@ def test_a_missing_default_peer_is_a_note_and_an_explicit_one_an_error(clover, t
     assert raised.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith(f"error: no peer model at {tmp_path / 'nothing'}") and "--no-peer" in error
+
+
+def test_the_demo_decodes_with_the_block_size_head_where_the_model_has_one(clover, tokenizer, tmp_path, capsys):
+    save_model(clover, tokenizer, tmp_path / "clover")
+    (tmp_path / "m.txt").write_text("E) UAS PROHIBITED WI 2NM OF 47.1N 8.2E F) SFC G) 400FT\n")
+    run = dict(messages_file=tmp_path / "m.txt", out_dir=tmp_path / "out")
+    assert demo(tmp_path / "clover", None, **run)["block_size"] == DecodeParams.block_size
+    assert "has no block-size head" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(CloverError, match="--block-size auto needs a calibrated model"):
+        demo(tmp_path / "clover", None, block_size="auto", **run)
+    hidden = clover.config.hidden_size
+    Calibration([4, 8], 0.9, [1.0, 1.5], torch.zeros(2, hidden), torch.tensor([0.0, 2.0])).save(tmp_path / "clover")
+    report = demo(tmp_path / "clover", None, **run)
+    assert report["block_size"] == DEMO_BLOCK_SIZE == "auto" and report["clover"]["tpf"] > 0
+    assert "block-size head" not in capsys.readouterr().out

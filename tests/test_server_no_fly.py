@@ -1,6 +1,6 @@
 """The README's structured-extraction examples, for real: the shipped Clover behind `clover serve`, a no_fly
-request through the official openai client with the task's own (grounded) answer schema at block size
-16, and issue 29's reproduction, which ran on forever before answers had to close."""
+request through the official openai client with the task's own (grounded) answer schema and the
+calibrated block size ("auto"), and issue 29's reproduction, which ran on forever before answers had to close."""
 
 import json
 
@@ -11,6 +11,7 @@ import torch
 
 from cloverlm import tasks
 from cloverlm.convert.load import load_folder_tokenizer, load_model
+from cloverlm.decoding.calibration import load_calibration
 from cloverlm.decoding.grounding import without_grounding
 from cloverlm.evaluation.heldout import HELDOUT_SEED_BASE
 from cloverlm.paths import MODELS
@@ -29,17 +30,18 @@ def shipped():
 
 
 @pytest.mark.slow
-def test_a_no_fly_request_with_the_task_schema_returns_schema_valid_zones_at_block_16(shipped):
+def test_a_no_fly_request_with_the_task_schema_returns_schema_valid_zones_at_the_calibrated_block_size(shipped):
     model, tokenizer = shipped
     example = tasks.generate("no_fly_zones", HELDOUT_SEED_BASE, n_messages=8)
     schema = tasks.get_task("no_fly_zones").answer_schema(example)
-    app = create_app(model, tokenizer, ServerConfig(model_name="clover", api_key=KEY))
+    calibration = load_calibration(MODELS / "smollm2-clover")
+    app = create_app(model, tokenizer, ServerConfig(model_name="clover", api_key=KEY), calibration)
     with background_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
         result = client.chat.completions.create(
             model="clover", messages=[{"role": "user", "content": example.prompt}], max_tokens=1024,
             response_format={"type": "json_schema", "json_schema": {"name": "zones", "schema": schema, "strict": True}},
-            extra_body={"block_size": 16, "threshold": 0.9},
+            extra_body={"block_size": "auto", "threshold": 0.9},
         )
     choice = result.choices[0]
     assert choice.finish_reason == "stop", choice.message.content

@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the zones, wall times, TPF and scores here")
     p.add_argument("--seed", type=int, default=0, help="which generated set of messages")
     p.add_argument("--out", default="outputs", help="folder for no_fly_zones.png and denoising.png (default: outputs)")
-    p.add_argument("--block-size", type=int, default=DecodeParams.block_size)
+    p.add_argument("--block-size", type=_block_size,
+                   help="tokens per block, or 'auto' (default: auto where the model is calibrated, else 16)")
     p.add_argument("--threshold", type=float, default=DecodeParams.threshold)
     _add_answers(p)
     p.set_defaults(func=cmd_demo)
