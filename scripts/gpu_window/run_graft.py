@@ -53,13 +53,18 @@ def teacher_digest(teacher: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def graft(teacher: str, memory_layers: list[int] | None):
+    """(the teacher grafted with calibration, its tokenizer): the same graft in the window and here."""
+    tokenizer = load_folder_tokenizer(teacher)
+    return graft_with_calibration(load_model(teacher), tokenizer, memory_layers)[0], tokenizer
+
+
 def train(args) -> dict:
     out = Path(args.out)
     hybrid = out / "hybrid"
     started, summary = time.monotonic(), {}  # grafting counts against the minutes: the window's deadline is fixed
     if not (hybrid / "model.safetensors").is_file():
-        tokenizer = load_folder_tokenizer(args.teacher)
-        save_model(graft_with_calibration(load_model(args.teacher), tokenizer, args.memory_layers)[0], tokenizer, hybrid)
+        save_model(*graft(args.teacher, args.memory_layers), hybrid)
     shape = {"rows_per_step": args.rows_per_step, "seq_len": args.seq_len, "device": args.device}
     for name, stage, config, student, tokens, minutes in (
         ("stage1", GraftStage1, Stage1Config, hybrid, args.stage1_tokens, args.minutes * args.stage1_share),
@@ -99,8 +104,7 @@ def rebuild(teacher: str, mixers_file: Path, out: Path) -> dict:
         raise SystemExit(f"{teacher} is not the teacher these mixers learnt from (its weights differ): "
                          "graft the teacher of the window (the adapter staged then)")
     trained = load_file(str(mixers_file))
-    tokenizer = load_folder_tokenizer(teacher)
-    model, _ = graft_with_calibration(load_model(teacher), tokenizer, layers)
+    model, tokenizer = graft(teacher, layers)
     state = model.state_dict()
     own = {key for key in state if MIXER in key}
     if own != set(trained):

@@ -231,9 +231,8 @@ class GrammarConstraint:
         after which such an ending fits: the ending's next token, and those of the mask that fit, all of
         them where the mask is small, else the CHECK_AT_MOST best by `scores` that score above the
         ending's token (the model's, when given: where its own choice was refused, its next ones rather
-        than the ending's token alone). `allows`
-        accepts any token that fits, so the engine's greedy choice keeps its own way to close where it
-        has room (it asks `allows` first). Before the watch, near the budget, a few openers that would
+        than the ending's token alone). `allows` accepts any token that fits, so the engine's greedy
+        choice keeps its own way to close where it has room (it asks `allows` first). Before the watch, near the budget, a few openers that would
         leave no room are taken out (`_checks_openers`). within_budget=False: the grammar's mask alone,
         which the engine measures the model's confidence against."""
         if self._mask_at != self.used:  # the engine may ask twice at one position (see within_budget)

@@ -86,15 +86,16 @@ def trainer_config(cfg: CampaignConfig, objective: str, device: str) -> ConvertC
     name = SHIPPED[objective]
     rows, tokens = STEP_SHAPE[device]
     data = {"rows_per_step": cfg.rows_per_step or rows, "tokens_per_step": cfg.tokens_per_step or tokens,
-            "mixture": dict(cfg.mixture or CAMPAIGN_MIXTURE), "full_size_share": cfg.full_size_share,
-            "distractor_weights": dict(cfg.distractor_weights), "chat_examples": cfg.chat_examples,
-            "noisy_draws": cfg.noisy_draws or 1}  # fmt: skip
+            "mixture": dict(CAMPAIGN_MIXTURE), "full_size_share": cfg.full_size_share,
+            "distractor_weights": dict(cfg.distractor_weights), "chat_examples": None,
+            "noisy_draws": ConvertConfig.noisy_draws}  # fmt: skip
     state = Path(cfg.out) / name / "checkpoint" / STATE_FILE
     if state.is_file():
         stored = asdict(ConvertConfig()) | json.loads(state.read_text())["config"]
-        data = {key: stored[key] for key in data} | ({"mixture": dict(cfg.mixture)} if cfg.mixture else {})
-        data |= {"chat_examples": cfg.chat_examples} if cfg.chat_examples else {}
-        data |= {"noisy_draws": cfg.noisy_draws} if cfg.noisy_draws else {}
+        data = {key: stored[key] for key in data}
+    # what a new run starts with, or a begun one teaches from its next step on (trainer.RESUME_MAY_CHANGE)
+    changes = {"mixture": dict(cfg.mixture or {}), "chat_examples": cfg.chat_examples, "noisy_draws": cfg.noisy_draws}
+    data |= {key: value for key, value in changes.items() if value}
     return ConvertConfig(
         objective=objective, out=str(Path(cfg.out) / name), seed=cfg.seed, **data, lr=cfg.lr, warmup_steps=10,
         max_steps=cfg.schedule_steps, eval_every=100, checkpoint_every=10, device=cfg.device,

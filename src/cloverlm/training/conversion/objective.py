@@ -6,8 +6,9 @@ targets are x_s .. x_{s+B-1} is fed as [x_{s-1}, x_s or MASK, ..., x_{s+B-2} or 
 s-1 .. s+B-2 and sees the clean positions before s-1. A block draws t ~ U(0, 1) and masks each target
 with probability t; slot j is scored when its target is masked, and the last slot always (its target
 never appears inside the block). The complementary copy masks exactly the other targets, so every
-target is scored once per pair; a block may draw several pairs (`draws`). The clean stream's next-token loss over the answer (the B = 1 case)
-comes for free. Answers are padded with end tokens to whole blocks.
+target is scored once per pair; a block may draw several pairs (`draws`). The clean stream's
+next-token loss over the answer (the B = 1 case) comes for free. Answers are padded with end tokens
+to whole blocks.
 """
 
 from __future__ import annotations
