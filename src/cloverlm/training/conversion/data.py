@@ -23,7 +23,7 @@ from cloverlm.training.conversion.config import ConvertConfig
 from cloverlm.training.conversion.objective import ConversionBatch, Segment, build_batch
 
 # Sources the mixture may name: the tasks below, "chat" (data/chat_distill) and "distill" (trajectories).
-TASK_SOURCES = ("no_fly_zones", "tool_call", "kv_retrieval", "arithmetic")
+TASK_SOURCES = ("no_fly_zones", "no_fly_zones_varied", "tool_call", "kv_retrieval", "arithmetic")
 
 
 def read_trajectories(path: str | Path) -> list[dict]:
@@ -40,13 +40,15 @@ def read_trajectories(path: str | Path) -> list[dict]:
 
 def sample_task_example(name: str, rng: random.Random, full_size_share: float,
                         distractor_weights: dict[str, float] | None = None) -> tasks.Example:
-    """A training example of task `name` (never a held-out seed); no_fly_zones has 20 messages with
-    probability `full_size_share`, else 1..19, and its distractors drawn by `distractor_weights`."""
+    """A training example of task `name` (never a held-out seed); a no_fly task has 20 messages with
+    probability `full_size_share`, else 1..19, and no_fly_zones its distractors drawn by
+    `distractor_weights` (texts of its own templates)."""
     seed = rng.randrange(HELDOUT_SEED_BASE)
-    if name == "no_fly_zones":
+    if name.startswith("no_fly_zones"):
         full = rng.random() < full_size_share
         n_messages = 20 if full else rng.randint(1, 19)
-        return tasks.generate(name, seed, n_messages=n_messages, distractor_weights=distractor_weights or None)
+        weights = (distractor_weights or None) if name == "no_fly_zones" else None
+        return tasks.generate(name, seed, n_messages=n_messages, distractor_weights=weights)
     if name == "kv_retrieval":
         return tasks.generate(name, seed, n_pairs=rng.randint(4, 60))
     return tasks.generate(name, seed)
