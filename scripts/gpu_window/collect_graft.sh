@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
-# GPU window with WHAT=graft, step 4 (here, after call 2 and `prepare.sh end`): the memory graft's student
-# rebuilt from what call 2 returned (FILES_AT: the reply's files_at folder): the teacher grafted again, the
-# trained mixers joined (split.py) and put in (run_graft.py rebuild: keys, shapes and the teacher's digest
-# checked), each stage's log and curve beside it. Then it prints what reads the student next.
-#   scripts/gpu_window/collect_graft.sh FILES_AT [OUT=runs/gpu-graft] [TEACHER=models/smollm2-clover]
+# GPU window with WHAT=graft, step 4 (here, after the calls and `prepare.sh end`): the memory graft's student
+# rebuilt from what calls 2 and 3 returned (each reply's files_at folder; call 3 only where call 2 printed
+# CALL 3 NEEDED): the teacher grafted again, the trained mixers joined (split.py: every piece there, none
+# twice) and put in (run_graft.py rebuild: keys, shapes and the teacher's digest checked), each stage's log
+# and curve beside it. Then it prints what reads the student next.
+#   [OUT=runs/gpu-graft] [TEACHER=models/smollm2-clover] scripts/gpu_window/collect_graft.sh FILES_AT_2 [FILES_AT_3]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-FILES_AT=${1:?usage: collect_graft.sh FILES_AT [OUT] [TEACHER]}
-OUT=${2:-runs/gpu-graft}
-TEACHER=${3:-models/smollm2-clover}
+[ $# -ge 1 ] || { echo "usage: collect_graft.sh FILES_AT_OF_CALL_2 [FILES_AT_OF_CALL_3]" >&2; exit 2; }
+OUT=${OUT:-runs/gpu-graft}
+TEACHER=${TEACHER:-models/smollm2-clover}
 PY=${PY:-.venv/bin/python}
 export HF_HUB_OFFLINE=1
-[ -f "$FILES_AT/graft_meta.tar.gz" ] || { echo "no graft_meta.tar.gz in $FILES_AT" >&2; exit 1; }
+[ -f "$1/graft_meta.tar.gz" ] || { echo "no graft_meta.tar.gz in $1 (call 2's files_at comes first)" >&2; exit 1; }
 if [ -e "$OUT/student" ] && [ -z "${FORCE:-}" ]; then
   echo "$OUT/student exists: choose another OUT, or FORCE=1 to replace it" >&2; exit 1
 fi
 mkdir -p "$OUT"
-tar -xzf "$FILES_AT/graft_meta.tar.gz" -C "$OUT"
-[ ! -f "$FILES_AT/device.log" ] || cp "$FILES_AT/device.log" "$OUT/device.log"
-"$PY" scripts/gpu_window/split.py join "$FILES_AT/mixers" "$OUT/mixers.safetensors" --prefix mixers --dtype fp32
+tar -xzf "$1/graft_meta.tar.gz" -C "$OUT"
+[ ! -f "$1/device.log" ] || cp "$1/device.log" "$OUT/device.log"
+pieces=$(mktemp -d)
+trap 'rm -rf "$pieces"' EXIT
+for files_at in "$@"; do  # the pieces of every call side by side (read-only folders: linked, not moved)
+  for piece in "$files_at"/mixers/mixers-*.safetensors; do
+    [ -e "$piece" ] && ln -s "$(realpath "$piece")" "$pieces/"
+  done
+done
+"$PY" scripts/gpu_window/split.py join "$pieces" "$OUT/mixers.safetensors" --prefix mixers --dtype fp32 \
+  || { echo "the mixers do not join: every piece must come back (call 3's files_at too, where call 2 printed CALL 3 NEEDED)" >&2; exit 1; }
 rm -rf "$OUT/student"
 "$PY" scripts/gpu_window/run_graft.py rebuild "$TEACHER" "$OUT/mixers.safetensors" "$OUT/student"
 echo

@@ -83,15 +83,17 @@ cmd_sizes() {
 cmd_calls() {
   cat <<EOF
 
-=== the two run calls (no kind in either: call 2 must land on call 1's warm machine) ===
+=== the run calls (no kind in any: calls 2 and 3 must land on call 1's warm machine) ===
 call 1:  run(command="bash scripts/gpu_window/device.sh 1", carry=["$STAGE/call1"], timeout_s=120)
 call 2:  run(command="bash scripts/gpu_window/device.sh 2", carry=["$STAGE/call2"], timeout_s=600)
   - make call 2 AT ONCE when call 1 returns: the machine goes back after 30 s idle, and /tmp with it.
+  - if call 2 printed CALL 3 NEEDED (what it brought back did not fit one return), at once:
+    run(command="bash scripts/gpu_window/device.sh 3", timeout_s=60)
   - then give_back(); then: scripts/gpu_window/prepare.sh end; scripts/gpu_window/collect.sh FILES_AT_OF_CALL_2
   - device.sh's settings can go in front of its command: MINUTES=6 (training, Clover 70%, the peer after),
     BUDGET_S=570 (call 2's own deadline), e.g. "MINUTES=5 bash scripts/gpu_window/device.sh 2"
   - the memory graft (issue 30) instead of the campaign: "WHAT=graft MINUTES=7 bash scripts/gpu_window/device.sh 2",
-    then scripts/gpu_window/collect_graft.sh FILES_AT_OF_CALL_2
+    then scripts/gpu_window/collect_graft.sh FILES_AT_OF_CALL_2 FILES_AT_OF_CALL_3 (its mixers, ~75 MiB, need call 3)
 EOF
 }
 
