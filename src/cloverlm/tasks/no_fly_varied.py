@@ -51,8 +51,8 @@ _LEADS = ("{id}: ", "Notice {id}: ", "[{id}] ", "Message {id} - ", "Circular {id
 _TAILS = (" [{id}]", " (notice {id})", " - message {id}", " Id {id}.")
 _JOINS = (", ", "; ", " - ")
 
-# Look-alikes: the parts of a zone and what makes it none. An inactive status closes the message (or
-# opens it); a ban on others exempts drones; an area for drones invites them.
+# Look-alikes: the parts of a zone and what makes it none. An inactive status closes the message; a ban
+# on other aircraft exempts drones; an area for drones invites them.
 _INACTIVE = (
     "lifted", "cancelled", "revoked", "no longer in force", "expired", "proposed, not yet in force",
     "planned, not yet active", "suspended until further notice",
