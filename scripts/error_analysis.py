@@ -250,7 +250,7 @@ def main() -> None:
         report["runs"] = [assess(tokenizer, run) for run in report["runs"]]
         return save()
     model = load_model(args.model, inference_dtype())
-    plan = [("no_fly_zones", args.n, b) for b in args.block_sizes]
+    plan = [("no_fly_zones", args.n, b) for b in args.block_sizes if args.n]  # --n 0: the unseen family only
     plan += [("no_fly_zones_unseen", args.unseen, args.block_sizes[-1])] if args.unseen else []
     for name, count, block_size in plan:
         report["runs"].append(decode(model, tokenizer, name, count, block_size, args.batch))
