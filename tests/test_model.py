@@ -54,7 +54,12 @@ def test_noisy_stream_never_reads_its_own_future_or_other_noise():
     assert not torch.allclose(other[:, 24:], base[:, 24:])
 
 
-def test_prefill_equals_block_by_block_commits(model):
+@pytest.mark.parametrize("causal_clean", [False, True])
+def test_prefill_equals_block_by_block_commits(model, causal_clean):
+    """Prefill attends in one call (block-causal mask, or is_causal for a causal clean stream: the
+    kernel then skips the upper triangle); commits attend block by block against the cache."""
+    if causal_clean:
+        model = tiny_model(layer_types=[ATTENTION] * 4, causal_clean_stream=True)
     x0, _ = noisy_pair(sum(SIZES))
     with torch.no_grad():
         sequential = CloverCache.empty(model.config, batch=2)

@@ -114,12 +114,17 @@ class CloverAttention(nn.Module):
         of every block of `layout`. x_noisy=None runs the clean stream only (prefill); a given (empty)
         cache receives its keys and values.
         """
-        clean_mask = self._clean_mask(layout)
         if x_noisy is None:
             q, k, v, gate = self._project(x_clean, positions)
             if cache is not None:
                 cache.keys, cache.values, cache.used = k, v, k.shape[2]
-            return None, self._output(self._attend(q, k, v, clean_mask), gate)
+            if self.causal_clean:  # the same mask, but the CPU flash kernel skips the tiles above the
+                # diagonal only when told is_causal (given a mask it computes them all: issue 28)
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads)
+            else:
+                attn = self._attend(q, k, v, self._clean_mask(layout))
+            return None, self._output(attn, gate)
+        clean_mask = self._clean_mask(layout)
         if noisy is None:
             noisy = NoisyBlocks.of_layout(layout)
         if noisy.segments is not None and self.causal_clean and cache is None:
