@@ -94,8 +94,9 @@ class CloverAttention(nn.Module):
             out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(batch, length, -1))
 
-    def _attend(self, q, k, v, mask):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+    def _attend(self, q, k, v, mask=None, is_causal=False):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
 
     def _clean_mask(self, layout: BlockLayout):
         """[L, L]: clean position i sees clean position j (causal, or block-causal)."""
@@ -118,11 +119,9 @@ class CloverAttention(nn.Module):
             q, k, v, gate = self._project(x_clean, positions)
             if cache is not None:
                 cache.keys, cache.values, cache.used = k, v, k.shape[2]
-            if self.causal_clean:  # the same mask, but the CPU flash kernel skips the tiles above the
-                # diagonal only when told is_causal (given a mask it computes them all: issue 28)
-                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads)
-            else:
-                attn = self._attend(q, k, v, self._clean_mask(layout))
+            # a causal stream's mask as is_causal: the CPU flash kernel skips the tiles above the diagonal
+            # only when told so (given the mask written out it computes them all: issue 28)
+            attn = self._attend(q, k, v, is_causal=True) if self.causal_clean else self._attend(q, k, v, self._clean_mask(layout))
             return None, self._output(attn, gate)
         clean_mask = self._clean_mask(layout)
         if noisy is None:

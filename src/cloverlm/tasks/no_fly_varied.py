@@ -117,11 +117,9 @@ def _plain(rng: random.Random) -> str:
     return _sentence(rng, [what, rng.choice(_TIMES)])
 
 
-def _widest(template: str) -> int:
-    widest = dict(id="A1234/26", ad="LSZH", lat="69.1234", lon="29.1234", radius="9.9", unit="NM", lower="200FT",
-                  upper="3000FT", start="2026-12-28T23:30Z", end="2026-12-28T23:30Z", rwy="18/36", freq="135.995",
-                  freq2="135.995", twy="A")  # fmt: skip
-    return len(template.format_map(widest))
+_WIDEST_FIELDS = dict(id="A1234/26", ad="LSZH", lat="69.1234", lon="29.1234", radius="9.9", unit="NM", lower="200FT",
+                      upper="3000FT", start="2026-12-28T23:30Z", end="2026-12-28T23:30Z", rwy="18/36",
+                      freq="135.995", freq2="135.995", twy="A")  # fmt: skip
 
 
 def _compose(make, count: int, seed: str) -> tuple[str, ...]:
@@ -129,7 +127,7 @@ def _compose(make, count: int, seed: str) -> tuple[str, ...]:
     rng, out = random.Random(seed), {}
     while len(out) < count:
         template = make(rng)
-        if _widest(template) <= WIDEST:
+        if len(template.format_map(_WIDEST_FIELDS)) <= WIDEST:
             out.setdefault(template, None)
     return tuple(out)
 

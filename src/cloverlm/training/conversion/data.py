@@ -18,6 +18,7 @@ from cloverlm.convert.base import check_tokenizer
 from cloverlm.errors import CloverError
 from cloverlm.evaluation.chat import read_chat
 from cloverlm.evaluation.heldout import HELDOUT_SEED_BASE, encode_example
+from cloverlm.tasks.no_fly_zones import NoFlyZones
 from cloverlm.tokenizer import end_of_turn_id, format_chat
 from cloverlm.training.conversion.config import ConvertConfig
 from cloverlm.training.conversion.objective import ConversionBatch, Segment, build_batch
@@ -44,7 +45,7 @@ def sample_task_example(name: str, rng: random.Random, full_size_share: float,
     probability `full_size_share`, else 1..19, and no_fly_zones its distractors drawn by
     `distractor_weights` (texts of its own templates)."""
     seed = rng.randrange(HELDOUT_SEED_BASE)
-    if name.startswith("no_fly_zones"):
+    if isinstance(tasks.get_task(name), NoFlyZones):
         full = rng.random() < full_size_share
         n_messages = 20 if full else rng.randint(1, 19)
         weights = (distractor_weights or None) if name == "no_fly_zones" else None
