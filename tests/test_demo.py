@@ -30,7 +30,8 @@ from cloverlm.demo.plots import (
     render_zone_map,
     zone_cylinder,
 )
-from cloverlm.demo.run import DEMO_BLOCK_SIZE, DecodeView, demo, run_demo
+from cloverlm.demo.run import DEMO_BLOCK_SIZE, WARM_UP_TOKENS, demo, run_demo, warm_up
+from cloverlm.demo.view import DecodeView
 from cloverlm.model.checkpoint import save_model
 from cloverlm.tasks.base import dumps
 from cloverlm.tasks.no_fly_zones import FIELDS, format_prompt, parse_zones, prompt_messages
@@ -100,6 +101,30 @@ def test_pipeline_end_to_end_writes_the_pictures_and_the_documented_json(clover,
     assert "Clover: no zones found" in shown and "peer: no zones found" in shown
     assert "truth:" in shown and "zone_exact_match" in shown and "speedup" in shown
     assert report["schema"] and "Clover (block diffusion)" in shown
+
+
+def test_warm_up_runs_each_model_briefly_and_leaves_the_timed_request_as_it_was(clover, peer, tokenizer):
+    """The untimed warm-up reads the timed prompt in both models, decodes at most WARM_UP_TOKENS, and leaves
+    the params the timed decode uses untouched (a warm-up that cut them would cut the demo's answer)."""
+    prompt_ids = fit_prompt(tokenizer, generated_messages(0).texts, 2_000)[0]
+    params = DecodeParams(block_size=8, max_new_tokens=200, stop_token_ids=(tokenizer.eos_token_id,))
+    seen = {}  # name -> the length of each batch of ids the model embeds
+
+    def record(name):
+        return lambda module, args, out: seen.setdefault(name, []).append(args[0].shape[1])
+
+    hooks = [model.get_input_embeddings().register_forward_hook(record(name)) for name, model in (("clover", clover), ("peer", peer))]
+    try:
+        warm_up(clover, peer, prompt_ids, params, lambda: None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert params.max_new_tokens == 200
+    assert seen["peer"][0] == len(prompt_ids) and all(n == 1 for n in seen["peer"][1:])  # the prompt, then a token each
+    assert 1 < len(seen["peer"]) <= WARM_UP_TOKENS
+    assert seen["clover"][0] == len(prompt_ids) - 1  # the prefill (the last prompt token opens the first block)
+    # then at most a forward per token, each embedding a block to commit and one to denoise
+    assert 1 < len(seen["clover"]) <= 1 + 2 * WARM_UP_TOKENS and max(seen["clover"][1:]) <= params.block_size
 
 
 def test_under_the_schema_even_a_random_model_opens_the_zone_list(clover, peer, tokenizer, tmp_path):
