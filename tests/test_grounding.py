@@ -14,22 +14,59 @@ from cloverlm.tokenizer import stop_token_ids
 NUMBER = {"type": "number", "x-grounded": True}
 
 
-def _enums(schema: dict) -> dict:
-    return {name: sub["enum"] for name, sub in schema["items"]["properties"].items()}
+def _records(schema: dict) -> list[dict]:
+    """Per grounded record (an alternative of the zone list's items): each field's enum."""
+    items = schema["items"]
+    return [{name: sub["enum"] for name, sub in record["properties"].items()} for record in items.get("anyOf", [items])]
 
 
 @pytest.mark.parametrize("task", ["no_fly_zones", "no_fly_zones_unseen"])
-def test_every_no_fly_truth_value_is_a_candidate_and_every_candidate_is_written(task):
+def test_every_no_fly_truth_zone_is_a_record_of_its_own_line_and_every_candidate_is_written(task):
     for seed in range(12):
         example = tasks.generate(task, 7000 + seed, n_messages=20)
-        enums = _enums(ground(tasks.get_task(task).answer_schema(example), example.prompt))
-        assert enums["unit"] == ["NM", "KM"]  # not grounded: an enum already
+        records = _records(ground(tasks.get_task(task).answer_schema(example), example.prompt))
+        lines = example.prompt.splitlines()
+        assert len(records) <= len(lines)
+        for record in records:
+            assert record["unit"] == ["NM", "KM"]  # not grounded: an enum already
+            # every candidate of a record is written in one line of the prompt
+            written = [(v if isinstance(v, str) else json.dumps(v)) for field in FIELDS if field != "unit" for v in record[field]]
+            assert any(all(text in line for text in written) for line in lines), record
         for zone in example.truth:
-            for field in FIELDS:
-                assert zone[field] in enums[field], (seed, field, zone[field])
-        for field in FIELDS:
-            if field != "unit":
-                assert all((v if isinstance(v, str) else json.dumps(v)) in example.prompt for v in enums[field]), field
+            assert any(all(zone[field] in record[field] for field in FIELDS) for record in records), (seed, zone)
+
+
+def test_a_record_takes_every_value_from_one_line(tokenizer):
+    grammars = Grammars(tokenizer, len(tokenizer), stop_token_ids(tokenizer))
+    record = {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z][0-9]$", "x-grounded": True},
+                                               "lat": NUMBER, "unit": {"enum": ["NM", "KM"]}},
+              "required": ["id", "lat", "unit"], "additionalProperties": False, "x-grounded": "line"}
+    prompt = "K7 at 61.8719\nno value here\nQ2 at 5.5 or 6.25\nno id, only 7.5"
+    grammar = grammars.json_schema({"type": "array", "items": record}, prompt)
+
+    def accepts(text: str) -> bool:
+        constraint = grammars.constraint(grammar)
+        for token in tokenizer(text, add_special_tokens=False).input_ids:
+            if not constraint.allows(token):
+                return False
+            constraint.advance(token)
+        return constraint.finished()
+
+    assert accepts('[{"id":"K7","lat":61.8719,"unit":"NM"},{"id":"Q2","lat":6.25,"unit":"KM"}]')
+    assert not accepts('[{"id":"K7","lat":5.5,"unit":"NM"}]')  # each value is in the prompt, not in one line
+    assert not accepts('[{"id":"Q2","lat":7.5,"unit":"NM"}]')  # the last line has no id: no record
+    assert len(ground(record, prompt)["anyOf"]) == 2 and ground(record, "K7 at 1.5") == {
+        "type": "object", "properties": {"id": {"enum": ["K7"]}, "lat": {"enum": [7, 1.5]}, "unit": {"enum": ["NM", "KM"]}},
+        "required": ["id", "lat", "unit"], "additionalProperties": False}  # one line: no anyOf
+    assert not is_grounded(without_grounding(record)) and is_grounded(record)
+    with pytest.raises(GrammarError, match="no line in the prompt"):
+        # the id's 7 is no latitude above 10: the id and the latitude stand on different lines
+        above_10 = record | {"properties": record["properties"] | {"lat": NUMBER | {"minimum": 10}}}
+        grammars.json_schema(above_10, "K7 on one line\nand 61.8719 on the next")
+    with pytest.raises(GroundingError, match="needs an object"):
+        ground({"type": "number", "x-grounded": "line"}, "1")
+    with pytest.raises(GroundingError, match="takes true"):
+        ground({"type": "number", "x-grounded": "yes"}, "1")
 
 
 def test_numbers_as_written_and_strings_by_pattern_or_words():

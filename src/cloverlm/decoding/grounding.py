@@ -7,6 +7,12 @@ meaning without grounding is the plain one. `ground` turns every such subschema 
 candidates found in the prompt that the subschema accepts (its type, pattern, bounds), so the grammar
 stays llguidance's and the answer can only copy.
 
+`"x-grounded": "line"` on an object subschema grounds the object as a record: all of its grounded
+values come from one line of the prompt (a zone's id, coordinates and times from one message). It
+becomes an `anyOf` of the object grounded in each line that holds a candidate for every required
+grounded field (MAX_RECORD_LINES at most), so once the answer has copied the id, the rest can only come from
+the id's line.
+
 Candidates:
 * numbers: the decimal literals of the prompt (`44.7802N` and `N44.7802` give 44.7802; no exponents,
   no leading zeros, nothing inside a date or a version); a JSON number is written in its shortest form, so a literal with trailing zeros (`12.50`)
@@ -27,8 +33,10 @@ from jsonschema import Draft202012Validator
 from cloverlm.errors import CloverError
 
 KEYWORD = "x-grounded"
+RECORD = "line"  # the keyword's value that grounds an object in one line
 MAX_WORDS = 4
 MAX_CANDIDATES = 4096  # per field, the first found: an enum beyond that costs the grammar more than it forces
+MAX_RECORD_LINES = 1024  # lines a record may come from: one grammar alternative each
 # a JSON number standing alone in digits (letters may touch it: N53.9969, 5.3KM), not inside a longer
 # run of digits and dots (a date's 07, a version's 1.2.3)
 _NUMBER = re.compile(r"(?<![\d.])-?(?:0|[1-9]\d*)(?:\.\d+)?(?!\d)(?!\.\d)")
@@ -64,7 +72,7 @@ class NoCandidate(GroundingError):
 def is_grounded(schema: Any) -> bool:
     """Whether any subschema of `schema` carries the keyword."""
     if isinstance(schema, dict):
-        return schema.get(KEYWORD) is True or any(is_grounded(value) for value in schema.values())
+        return schema.get(KEYWORD) in (True, RECORD) or any(is_grounded(value) for value in schema.values())
     if isinstance(schema, list):
         return any(is_grounded(value) for value in schema)
     return False
@@ -96,8 +104,12 @@ def _ground(node: Any, prompt: str, path: str) -> Any:
         return [_ground(value, prompt, f"{path}/{index}") for index, value in enumerate(node)]
     if not isinstance(node, dict):
         return node
-    if node.get(KEYWORD) is True:
-        return _as_enum(node, prompt, path)
+    if KEYWORD in node:
+        if node[KEYWORD] is True:
+            return _as_enum(node, prompt, path)
+        if node[KEYWORD] == RECORD:
+            return _as_record(node, prompt, path)
+        raise GroundingError(f"{KEYWORD} at {path or '/'} takes true (a value) or {RECORD!r} (an object), got {node[KEYWORD]!r}")
     out = {}
     for key, value in node.items():
         if key == "properties" and isinstance(value, dict):
@@ -120,6 +132,29 @@ def _ground(node: Any, prompt: str, path: str) -> Any:
         else:
             out[key] = _ground(value, prompt, f"{path}/{key}")
     return out
+
+
+def _as_record(node: dict, prompt: str, path: str) -> dict:
+    plain = {key: value for key, value in node.items() if key != KEYWORD}
+    if plain.get("type") != "object" or not is_grounded(plain.get("properties")):
+        raise GroundingError(f"{KEYWORD}: {RECORD!r} at {path or '/'} needs an object with x-grounded properties")
+    lines = [line for line in prompt.splitlines() if line.strip()]
+    if len(lines) > MAX_RECORD_LINES:
+        raise GroundingError(f"{KEYWORD}: {RECORD!r} at {path or '/'} reads at most {MAX_RECORD_LINES} lines; the prompt has "
+                             f"{len(lines)} (ground the fields alone instead)")
+    alternatives, seen = [], set()
+    for line in lines:
+        try:
+            alternative = _ground(copy.deepcopy(plain), line, path)
+        except NoCandidate:
+            continue  # a line without a value for some required field holds no record
+        text = json.dumps(alternative, sort_keys=True)
+        if text not in seen:
+            seen.add(text)
+            alternatives.append(alternative)
+    if not alternatives:
+        raise NoCandidate(f"the grounded record {path or '/'} has no line in the prompt with a value for each of its required fields")
+    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
 
 
 def _as_enum(node: dict, prompt: str, path: str) -> dict:

@@ -64,11 +64,13 @@ _VALUE_SCHEMAS = {
     "start": _TIME,
     "end": _TIME,
 }
+# A zone is one message: grounded as a record, its values all come from one line of the prompt.
 ZONE_SCHEMA = {
     "type": "object",
     "properties": {key: _VALUE_SCHEMAS[key] for key in FIELDS},
     "required": list(FIELDS),
     "additionalProperties": False,
+    "x-grounded": "line",
 }
 
 INSTRUCTION = (
