@@ -63,6 +63,8 @@ def test_a_record_takes_every_value_from_one_line(tokenizer):
         # the id's 7 is no latitude above 10: the id and the latitude stand on different lines
         above_10 = record | {"properties": record["properties"] | {"lat": NUMBER | {"minimum": 10}}}
         grammars.json_schema(above_10, "K7 on one line\nand 61.8719 on the next")
+    with pytest.raises(GroundingError, match="at most 1024 lines"):
+        ground(record, "\n".join(f"K{i % 10} at {i}.5" for i in range(1025)))
     with pytest.raises(GroundingError, match="needs an object"):
         ground({"type": "number", "x-grounded": "line"}, "1")
     with pytest.raises(GroundingError, match="takes true"):
