@@ -145,7 +145,7 @@ def _as_record(node: dict, prompt: str, path: str) -> dict:
     alternatives, seen = [], set()
     for line in lines:
         try:
-            alternative = _ground(copy.deepcopy(plain), line, path)
+            alternative = _ground(plain, line, path)  # builds new nodes: `plain` stays as it is
         except NoCandidate:
             continue  # a line without a value for some required field holds no record
         text = json.dumps(alternative, sort_keys=True)

@@ -71,8 +71,6 @@ ANSWERS_SAID = {
 }
 
 
-
-
 def run_clover(model, tokenizer, prompt_ids, params: DecodeParams, messages: Messages, console: Console, constraint=None,
                calibration=None):
     """Decode with the engine under a live view (and the answer's grammar, when given; `calibration` for
@@ -128,7 +126,6 @@ def _model_run(name, text: str, tokens: int, wall_s: float, messages: Messages, 
     return ModelRun(name, text, tokens, wall_s, parse_zones(text), scores, tpf)
 
 
-
 # ----------------------------------------------------------------------------------------------
 # The pipeline
 
@@ -177,7 +174,7 @@ def run_demo(
         note(console, message)
     if kept < len(messages.texts):
         note(console, f"only the first {kept} of {len(messages.texts)} messages fit the {prompt_token_limit}-token "
-                       f"prompt limit; the other {len(messages.texts) - kept} are dropped")
+                      f"prompt limit; the other {len(messages.texts) - kept} are dropped")
     source = "generated (held-out no_fly_zones prompt)" if messages.example is not None else "from your file"
     console.rule(f"{kept} air-traffic messages, {source}")
     for number, text in enumerate(messages.texts[:kept], 1):

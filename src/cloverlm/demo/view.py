@@ -30,7 +30,6 @@ class ModelRun:
     tpf: float  # generated tokens per decoding forward
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Clover, with its live view and the record of its denoising steps
 
