@@ -1,7 +1,7 @@
 """Training throughput of the conversion trainer: tokens per second and the share of time in attention.
 
     .venv/bin/python scripts/train_throughput.py --steps 4 --threads 2                 # this CPU, one row
-    .venv/bin/python scripts/train_throughput.py --threads 2 --variants fp32-dense-batched,default
+    .venv/bin/python scripts/train_throughput.py --threads 2 --variants fp32-dense-batched-peftrows,default
     .venv/bin/python scripts/train_throughput.py --device cuda --rows-per-step 8 --tokens-per-step 4000
     .venv/bin/python scripts/train_throughput.py --device cuda --rows-per-step 8 --pad-multiple 1   # unpadded
 
@@ -14,8 +14,10 @@ per variant.
 model and the same batches: `default` (what the trainer chooses on this machine), or a name of parts
 `fp32` | `bf16`, `dense` | `segmented` (attention: one mask over both streams, or only what it allows),
 `castbase` (autocast casts the fp32 frozen base every forward instead of holding it in bf16) and
-`batched` (a step's rows padded into one forward, not one row at a time), `drawsN` (N masks drawn per
-answer block: ConvertConfig.noisy_draws). `fp32-dense-batched` is the trainer before these choices
+`batched` (a step's rows padded into one forward, not one row at a time), `peftrows` (peft's
+trainable-token forward, which rebuilds the tied 49152 x 576 matrix every call, and the output head cast
+every forward: frozen_base.token_rows_apart undone), `drawsN` (N masks drawn per
+answer block: ConvertConfig.noisy_draws). `fp32-dense-batched-peftrows` is the trainer before these choices
 existed (main at 135493c) on a CPU. Each variant's tokens are its own batches' (draws add noisy slots).
 """
 
@@ -29,7 +31,8 @@ import time
 
 import torch
 
-from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer, frozen_linears_to
+from cloverlm.training.conversion.frozen_base import frozen_linears_to
+from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer
 from cloverlm.training.loop import resident_gib
 
 ATTENTION_OPS = ("attention", "sdpa", "flash", "cudnn_attn")
@@ -62,7 +65,7 @@ def build_trainer(args, out: str, variant: str) -> ConvertTrainer:
     parts = set(variant.split("-"))
     draws = [int(p[5:]) for p in parts if p.startswith("draws") and p[5:].isdigit()]
     parts -= {f"draws{n}" for n in draws}
-    unknown = parts - {"default", "fp32", "bf16", "dense", "segmented", "castbase", "batched"}
+    unknown = parts - {"default", "fp32", "bf16", "dense", "segmented", "castbase", "batched", "peftrows"}
     if unknown:
         raise SystemExit(f"unknown variant parts {sorted(unknown)} in {variant!r}")
     bf16 = True if "bf16" in parts else False if "fp32" in parts else None
@@ -76,6 +79,9 @@ def build_trainer(args, out: str, variant: str) -> ConvertTrainer:
         trainer.row_by_row = False
     if "castbase" in parts:  # the frozen base back in fp32 (the values were bf16-rounded: timing only)
         frozen_linears_to(trainer.model, torch.float32)
+    if "peftrows" in parts:  # the class's forward again wherever token_rows_apart set one on the instance
+        for module in trainer.model.modules():
+            module.__dict__.pop("forward", None)
     return trainer
 
 

@@ -11,8 +11,8 @@ from cloverlm.convert.adapter import with_adapter
 from cloverlm.convert.base import convert_weights
 from cloverlm.errors import CloverError
 from cloverlm.training.conversion import objective
+from cloverlm.training.conversion.frozen_base import frozen_linears_to, token_rows_apart
 from cloverlm.training.conversion.objective import Segment, autoregressive_loss, build_batch, conversion_loss
-from cloverlm.training.conversion.trainer import frozen_linears_to
 from test_convert import MASK, tiny_llama
 
 ROWS = [
@@ -108,6 +108,33 @@ def test_frozen_base_in_bf16_gives_autocasts_loss_and_leaves_the_adapter_fp32():
     base_q = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
     assert base_q.dtype == torch.bfloat16
     assert abs(losses[0] - losses[1]) < 1e-6
+
+
+@pytest.mark.parametrize("objective_name", ["diffusion", "ar"])
+def test_token_rows_apart_give_pefts_loss_and_gradients(objective_name):
+    """The mask token's rows written over the frozen lookup and product (and the peer's head in its own
+    copy): the loss and every trained gradient of peft's whole-matrix forward (fp32, 1e-5), and the mask
+    token's row is among them. Under bf16 the head's copy holds autocast's values: the same loss."""
+    results = {}
+    for apart, dtype in ((False, None), (True, None), (False, torch.bfloat16), (True, torch.bfloat16)):
+        base = tiny_llama(10)
+        model = with_adapter(convert_weights(base, MASK) if objective_name == "diffusion" else base, objective_name,
+                             rank=4, alpha=8)  # fmt: skip
+        torch.manual_seed(0)
+        for p in model.parameters():  # peft starts lora_B and the rows at no change: move them
+            if p.requires_grad:
+                p.data += 0.05 * torch.randn_like(p)
+        if apart:
+            token_rows_apart(model, dtype or torch.float32)
+            assert any("forward" in m.__dict__ for m in model.modules())
+        loss_fn = conversion_loss if objective_name == "diffusion" else autoregressive_loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+            results[apart, dtype] = _loss_and_grads(model, _batch((4, 8), segmented=True), loss_fn)
+        rows = [p for n, p in model.named_parameters() if "trainable_tokens_delta" in n]
+        assert objective_name == "ar" or (rows and rows[0].grad.abs().sum() > 0)
+    (loss, grads, _), (apart_loss, apart_grads, _) = results[False, None], results[True, None]
+    assert abs(loss - apart_loss) < 1e-5 and (grads - apart_grads).abs().max() < 1e-5
+    assert abs(results[False, torch.bfloat16][0] - results[True, torch.bfloat16][0]) < 1e-2
 
 
 @pytest.mark.parametrize("objective_name", ["diffusion", "ar"])
