@@ -13,6 +13,7 @@ from cloverlm.decoding.grammar import GrammarError, Grammars
 from cloverlm.decoding.params import DecodeParams, Request
 from cloverlm.decoding.row import DecodeRow
 from cloverlm.decoding.unmask import unmask
+from cloverlm.model.config import ATTENTION
 from cloverlm.serving.text import parse_tool_calls
 from cloverlm.tokenizer import stop_token_ids
 from conftest import tiny_model
@@ -98,6 +99,38 @@ def test_forced_tokens_cost_no_forward(tokenizer, random_model, grammars):
     [completion] = Engine(random_model).generate([request])
     assert json.loads(tokenizer.decode(completion.tokens))["greeting"] == "hello there, general kenobi"
     assert completion.forwards <= len(completion.tokens) / 3
+
+
+LONG_RUNS = {"type": "object", "properties": {
+    "greeting": {"const": "hello there, general kenobi, you are a bold one"}, "note": {"type": "string", "pattern": "^[a-z ]{10,12}$"},
+    "farewell": {"const": "so uncivilised, and yet here we are again"}, "word": {"type": "string", "pattern": "^[a-z]{6}$"}},
+    "required": ["greeting", "note", "farewell", "word"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_forced_runs_jump_forward_in_one_commit(tokenizer, grammars, block_size):
+    """Jump-forward (attention layers, causal clean stream): a forced run a block long is committed with
+    the next forward. At B = 1 every choice reads the same history either way: the same answer, greedy
+    (its free strings would differ if the jump's keys stood a position off);
+    at B = 4 the answer is the grammar's. Both take fewer forwards than filling blocks with the run."""
+    model = tiny_model(vocab_size=len(tokenizer), layer_types=[ATTENTION] * 4, causal_clean_stream=True)
+    done = {}
+    for jump in (False, True):
+        [request] = _requests(tokenizer, grammars, LONG_RUNS, block_size=block_size, threshold=1.0)[:1]
+        engine = Engine(model, jump_forward=jump)
+        assert engine.jumps == jump
+        [done[jump]] = engine.generate([request])
+        jsonschema.validate(json.loads(tokenizer.decode(done[jump].tokens)), LONG_RUNS)
+        assert done[jump].finish_reason == "stop"
+    assert done[True].forwards < done[False].forwards / 2
+    if block_size == 1:
+        assert done[True].tokens == done[False].tokens
+
+
+def test_no_jump_forward_where_a_commit_is_a_block(tokenizer, random_model, grammars):
+    """Memory layers fold commits in block by block: there forced runs fill blocks as before."""
+    assert not Engine(random_model).jumps
+    assert not Engine(tiny_model(vocab_size=len(tokenizer), layer_types=[ATTENTION] * 4)).jumps
 
 
 class _Digits:

@@ -25,7 +25,8 @@ Constrained decoding: a request may carry a `Constraint` (a grammar over token i
 schema). A grammar reads left to right, so under one only the leftmost run of masked positions may be
 decided in a step: the first masked position always, each next one while its grammar-masked choice
 passes the rule; every candidate is drawn from logits masked by the grammar state after the tokens
-before it. Tokens the grammar forces (e.g. `{"name":`) are filled in without a model step. The rules
+before it. Tokens the grammar forces (e.g. `{"name":`) are filled in without a model step; a forced run
+that would fill the next block is committed with it instead, in one forward (jump-forward). The rules
 themselves live in cloverlm.decoding.unmask; the engine runs the forwards and the blocks' lives.
 
 Slots: a request may instead give its whole answer as a fixed layout (`Slots`): one block holding the
@@ -66,7 +67,7 @@ class Engine:
 
     def __init__(
         self, model: CloverForBlockDiffusion, max_batch_size: int = MAX_BATCH_SIZE, calibration=None, record_blocks: bool = False,
-        batched_unmask: bool = True, lookahead: bool = True,
+        batched_unmask: bool = True, lookahead: bool = True, jump_forward: bool = True,
     ):
         """calibration: a `cloverlm.decoding.calibration.Calibration`, needed for block_size="auto".
         record_blocks: keep a BlockRecord per finished block in each Completion (calibration fitting).
@@ -74,7 +75,10 @@ class Engine:
         is tested against). lookahead (the default): under a grammar, keep confident choices right of the
         grammar's reach, unchecked until it gets there (cloverlm.decoding.unmask); False commits only the
         leftmost run. On 20 no_fly prompts at B = 16 it took TPF 5.66 -> 6.09 and wall -6% at the same
-        parse rate (models/README.md)."""
+        parse rate (models/README.md). jump_forward (the default): a forced run at least a block long is
+        committed in one forward (DecodeRow.next_block), where the model's committed tokens see only
+        those before them (causal_clean_stream, attention layers only): there a commit's extent changes
+        nothing it computes."""
         self.batched_unmask = batched_unmask
         self.lookahead = lookahead
         if max_batch_size < 1:
@@ -86,6 +90,7 @@ class Engine:
         self.calibration = calibration
         self.record_blocks = record_blocks
         self.config = model.config
+        self.jumps = jump_forward and self.config.causal_clean_stream and drafts_supported(self.config)
         self.max_batch_size = max_batch_size
         self.waiting: deque[DecodeRow] = deque()
         self.rows: list[DecodeRow] = []
@@ -253,7 +258,7 @@ class Engine:
         if row.finish_reason is None:
             size = (self.calibration.choose(row.last_hidden, row.request.constraint is not None) if row.params.block_size == AUTO
                     else row.params.block_size)
-            row.next_block(size, self._commit_in_place(row))
+            row.next_block(size, self._commit_in_place(row), self.config.max_block_size if self.jumps else 0)
 
     def _commit_in_place(self, row: DecodeRow) -> bool:
         """Whether the finished block's last step computed its commit already: same inputs (all final),

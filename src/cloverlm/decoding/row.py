@@ -169,8 +169,12 @@ class DecodeRow:
         self.blocks += 1
         if record and self.block_start_hidden is not None:
             self.block_records.append(BlockRecord(self.block_start_hidden, len(self.block), self.block_steps))
+        return self._join(self.block.tolist())
+
+    def _join(self, tokens: list[int]) -> list[int]:
+        """`tokens` join the answer up to a stop (token, stop string, the slots' layout or the budget)."""
         before = len(self.generated)
-        for token in self.block.tolist():
+        for token in tokens:
             if token in self.stops:
                 self.finish_reason = "stop"
                 break
@@ -191,17 +195,45 @@ class DecodeRow:
             self.request.on_block(self.request, new)
         return new
 
-    def next_block(self, block_size: int, commit_in_place: bool) -> None:
+    def next_block(self, block_size: int, commit_in_place: bool, jump_room: int = 0) -> None:
         """Open the next block after a finished one: its inputs become history, written by the last step
-        already (commit_in_place) or committed with the next one."""
+        already (commit_in_place) or committed with the next one. jump_room > 0 (Engine.jumps): a run the
+        grammar forces that is at least a block long joins the answer now and the commit (of at most
+        jump_room tokens) with it, and the block opens after the run: it costs one forward, as the peer's
+        jump-forward, where blocks of forced tokens cost one each."""
         if self.lookup is not None:
             self.lookup.extend(self.block.tolist())
+        commit = [] if commit_in_place else self.block_inputs().tolist()
         if commit_in_place:
             self.written_commit = len(self.block)
-        else:
-            self.pending_commit = self.block_inputs().tolist()
         self.last_token = int(self.block[-1])
-        self.start_block(block_size)
+        run = self._forced_run(block_size, jump_room - len(commit))
+        if run:
+            commit += [self.last_token] + run[:-1]
+            self.last_token = run[-1]
+            self._join(run)
+            if self.lookup is not None:
+                self.lookup.extend(run)
+        self.pending_commit = commit or None
+        if self.finish_reason is None:
+            self.start_block(block_size)
+
+    def _forced_run(self, block_size: int, room: int) -> list[int]:
+        """The tokens the grammar forces from here (advanced over), when they fill a block: at most
+        `room`, no stop token, and one token of the budget left for the block after them."""
+        constraint = self.request.constraint
+        if constraint is None or room < block_size:
+            return []
+        run = []
+        for token in constraint.forced()[: min(room, self.params.max_new_tokens - len(self.generated) - 1)]:
+            if token in self.stops:
+                break
+            run.append(token)
+        if len(run) < block_size:
+            return []
+        for token in run:
+            constraint.advance(token)
+        return run
 
     # -- rules' helpers --
 
