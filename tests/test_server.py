@@ -4,7 +4,6 @@ API key, limits and errors in OpenAI's shape, disconnects, concurrent clients, a
 
 import json
 import socket
-import threading
 import time
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from cloverlm.bench.serving import bench_load
+from cloverlm.bench.serving import bench_load, concurrently
 from cloverlm.cli import main
 from cloverlm.convert.peer import build_peer, peer_config, save_peer
 from cloverlm.decoding.engine import Engine
@@ -305,13 +304,7 @@ def _concurrent(served, clients: int, requests_each: int) -> dict:
             except Exception as error:  # collected: the test reports every failure
                 failures.append(repr(error))
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
+    wall = concurrently(client, clients)
     assert not failures, failures[:3]
     latencies.sort()
     return {"requests": len(latencies), "wall_s": wall, "p50_s": latencies[len(latencies) // 2],

@@ -107,6 +107,17 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return error.code, {}
 
 
+def concurrently(client, clients: int) -> float:
+    """Run client(k) for k < clients, each in its own thread, at once; the wall seconds until all end."""
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
 def _run_clients(url: str, model_name: str, clients: int, requests: int, max_tokens: int, block_size: int) -> dict:
     latencies: list[float] = []
     generated = [0]
@@ -144,13 +155,7 @@ def _run_clients(url: str, model_name: str, clients: int, requests: int, max_tok
                     latencies.append(latency)
                     generated[0] += answer["usage"]["completion_tokens"]
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
+    wall = concurrently(client, clients)
     return {
         "clients": clients, "requests": clients * requests, "ok": len(latencies), "failed": len(problems),
         "first_problems": problems[:3], "wall_s": round(wall, 3),
