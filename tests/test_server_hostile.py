@@ -230,9 +230,8 @@ def test_a_full_queue_answers_429_and_every_slow_request_ends(crowded):
 
     threads += _threads(whole, [(queued,)] * 4)
     assert _soon(lambda: worker._load == 6) and len(engine.rows) == 2  # the queue is full: 2 running + 4 waiting
-    started = time.perf_counter()
+    # a request that waited for a slot would get one (2 tokens: a 200); the 429 says it was refused as it came
     refused = httpx2.post(crowded.url + "/v1/chat/completions", json={**SLOW, "max_tokens": 2}, timeout=60)
-    assert time.perf_counter() - started < 1
     error = _error(refused, 429)
     assert (error["code"], error["type"]) == ("server_busy", "rate_limit_error")
     for thread in threads:
