@@ -18,7 +18,9 @@ from cloverlm.training.conversion.campaign import (
     _campaign_log,
     _promote,
     _update_readme,
+    add_arguments,
     beats,
+    config_from_args,
     parse_mixture,
     run_campaign,
     trainer_config,
@@ -176,6 +178,16 @@ def test_a_campaign_that_has_begun_keeps_its_data_and_step_shape(tmp_path):
     assert more_chat.noisy_draws == 1  # the default of its day, not stored then
     more_noisy = trainer_config(CampaignConfig(minutes=1, out=str(tmp_path), noisy_draws=2), "diffusion", "cpu")
     assert more_noisy.noisy_draws == 2 and more_noisy.chat_examples == 128
+
+
+def test_a_new_run_takes_its_learning_rate_and_schedule_from_the_command_line(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--minutes", "5", "--out", str(tmp_path), "--lr", "5e-5", "--schedule-steps", "150"])
+    cfg = trainer_config(config_from_args(args), "diffusion", "cpu")
+    assert (cfg.lr, cfg.max_steps) == (5e-5, 150)
+    default = trainer_config(config_from_args(parser.parse_args(["--minutes", "5"])), "ar", "cpu")
+    assert (default.lr, default.max_steps) == (CampaignConfig.lr, CampaignConfig.schedule_steps)
 
 
 def test_a_mixture_is_parsed_or_refused_with_what_is_wrong():

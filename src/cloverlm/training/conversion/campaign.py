@@ -273,6 +273,15 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--noisy-draws", type=int, help="masks drawn per answer block, from the next step on (default: the run's own)"
     )
+    parser.add_argument(
+        "--lr", type=float, default=CampaignConfig.lr, help="a new run's peak learning rate (a begun run keeps its own)"
+    )
+    parser.add_argument(
+        "--schedule-steps",
+        type=int,
+        default=CampaignConfig.schedule_steps,
+        help="the cosine's length over every session of the run; the run ends there (e.g. a session's steps, to decay within it)",
+    )
     parser.add_argument("--no-eval", action="store_true", help="train only (no evaluation, no promotion)")
     parser.add_argument(
         "--no-promote", action="store_true", help="evaluate but leave the shipped folders as they are"
@@ -292,12 +301,16 @@ def parse_mixture(text: str) -> dict[str, float]:
     return mixture
 
 
-def run_from_args(args) -> dict:
+def config_from_args(args) -> CampaignConfig:
     """The campaign of parsed `add_arguments` options."""
+    return CampaignConfig(minutes=args.minutes, out=args.out, models=args.models, device=args.device, prompts=args.prompts,
+                          rows_per_step=args.rows_per_step, tokens_per_step=args.tokens_per_step, mixture=args.mixture,
+                          chat_examples=args.chat_examples, noisy_draws=args.noisy_draws, lr=args.lr,
+                          schedule_steps=args.schedule_steps, evaluate=not args.no_eval, promote=not args.no_promote)  # fmt: skip
+
+
+def run_from_args(args) -> dict:
+    """Run the campaign of parsed `add_arguments` options."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = CampaignConfig(minutes=args.minutes, out=args.out, models=args.models, device=args.device, prompts=args.prompts,
-                         rows_per_step=args.rows_per_step, tokens_per_step=args.tokens_per_step, mixture=args.mixture,
-                         chat_examples=args.chat_examples, noisy_draws=args.noisy_draws,
-                         evaluate=not args.no_eval, promote=not args.no_promote)  # fmt: skip
-    return run_campaign(cfg)
+    return run_campaign(config_from_args(args))
