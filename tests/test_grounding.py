@@ -73,14 +73,18 @@ def test_a_record_takes_every_value_from_one_line(tokenizer):
 
 def test_numbers_as_written_and_strings_by_pattern_or_words():
     prompt = "1. Zone K7 at 61.8719N 024.5E r=5.30KM ver 1.2.3, -7 m, 2026-07-09T05:00Z\nnew line here"
+    values = "12. A1234/26 from 2026-07-09T14:30Z at 10:45, 200FT-400FT, 5-7 or 3 NM\n  4) x 12.5\nstep 2. 8"
     schema = {"type": "object", "properties": {
         "lat": NUMBER, "n": {"type": "integer", "x-grounded": True},
         "id": {"type": "string", "pattern": "^[A-Z][0-9]$", "x-grounded": True},
         "words": {"type": "string", "maxLength": 9, "x-grounded": True, "description": "kept"}}}
     grounded = ground(schema, prompt)["properties"]
     # 024.5 (a leading zero) and 1.2.3 (no number) are not JSON numbers as written; 5.30 is 5.3 written shorter
-    assert grounded["lat"]["enum"] == [1, 7, 61.8719, 5.3, -7, 2026]
-    assert grounded["n"]["enum"] == [1, 7, -7, 2026]
+    assert grounded["lat"]["enum"] == [7, 61.8719, 5.3, -7]
+    assert grounded["n"]["enum"] == [7, -7]
+    # a date's, a time's or a reference's digits, a list's number and a range's hyphen are no values
+    assert ground(schema, values)["properties"]["n"]["enum"] == [200, 400, 3, 2, 8]
+    assert ground(schema, values)["properties"]["lat"]["enum"] == [200, 400, 3, 12.5, 2, 8]
     assert grounded["id"]["enum"] == ["K7"]
     # words and runs of words of one line, ends stripped of punctuation, at most maxLength long
     assert grounded["words"] == {"description": "kept", "enum": [

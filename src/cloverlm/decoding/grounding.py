@@ -15,8 +15,12 @@ the id's line.
 
 Candidates:
 * numbers: the decimal literals of the prompt (`44.7802N` and `N44.7802` give 44.7802; no exponents,
-  no leading zeros, nothing inside a date or a version); a JSON number is written in its shortest form, so a literal with trailing zeros (`12.50`)
-  comes back as the same value written shorter (`12.5`);
+  no leading zeros). Not a candidate: a number inside a date, a time, a version or a reference, where a
+  separator joins it to more digits (`2026-07-09T14:30Z` gives neither 2026 nor 14 nor 30, `A1234/26`
+  neither 1234 nor 26), and a list's number at the start of a line (`13. A1234/26 ...` numbers the
+  message; it is not in it). A minus is a sign only where no word touches it (`200FT-400FT` is a
+  range: 400). A JSON number is written in its shortest form, so a literal with trailing zeros
+  (`12.50`) comes back as the same value written shorter (`12.5`);
 * strings: with a pattern, its matches standing alone (not inside a longer word); without, the prompt's
   words and runs of up to MAX_WORDS words of one line, stripped of surrounding punctuation.
 """
@@ -39,7 +43,9 @@ MAX_CANDIDATES = 4096  # per field, the first found: an enum beyond that costs t
 MAX_RECORD_LINES = 1024  # lines a record may come from: one grammar alternative each
 # a JSON number standing alone in digits (letters may touch it: N53.9969, 5.3KM), not inside a longer
 # run of digits and dots (a date's 07, a version's 1.2.3)
-_NUMBER = re.compile(r"(?<![\d.])-?(?:0|[1-9]\d*)(?:\.\d+)?(?!\d)(?!\.\d)")
+_NUMBER = re.compile(r"(?<![\d.])(?:(?<![A-Za-z0-9])-)?(?:0|[1-9]\d*)(?:\.\d+)?(?!\d)(?!\.\d)")
+_JOINED = "-:/T"  # separators that join digits into one value: dates, times, references
+_LIST_NUMBER = re.compile(r"^[ \t]*(\d+)[.)][ \t]", re.MULTILINE)
 _WORD = re.compile(r"\S+")
 _PUNCTUATION = ".,;:!?()[]{}\"'"
 _KEEP = ("title", "description")  # annotations a grounded subschema keeps beside its enum
@@ -179,8 +185,7 @@ def _as_enum(node: dict, prompt: str, path: str) -> dict:
 
 def _candidates(schema: dict, types: set[str], prompt: str):
     if types & {"number", "integer"}:
-        for match in _NUMBER.finditer(prompt):
-            text = match.group()
+        for text in _numbers(prompt):
             if "." not in text:
                 yield int(text)
             elif "number" in types:
@@ -203,3 +208,14 @@ def _candidates(schema: dict, types: set[str], prompt: str):
                     text = line[words[first][0]: words[last][1]].strip(_PUNCTUATION)
                     if text:
                         yield text
+
+
+def _numbers(prompt: str):
+    """The number literals of `prompt` that are values of their own (the module doc's rule), in order."""
+    list_numbers = {match.end(1) for match in _LIST_NUMBER.finditer(prompt)}  # where each list number ends
+    for match in _NUMBER.finditer(prompt):
+        start, end = match.span()
+        joined_before = start >= 2 and prompt[start - 1] in _JOINED and prompt[start - 2].isdigit()
+        joined_after = end + 1 < len(prompt) and prompt[end] in _JOINED and prompt[end + 1].isdigit()
+        if not (joined_before or joined_after or end in list_numbers):
+            yield match.group()
