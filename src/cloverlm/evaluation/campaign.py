@@ -37,7 +37,8 @@ PEER_POINTS = {
 # Points whose decoding changed since EVAL_VERSION, per model: only their cached scores are recomputed (a
 # pair's evaluation is two hours of CPU). 3: near the budget, the grammar's narrowed mask no longer makes a
 # token look certain (Clover's threshold rule, B > 1: decoding/unmask.py) or forced (the peer: convert/peer.py).
-POINT_VERSIONS = {"clover": {point: 3 for point, (_, block_size) in CLOVER_POINTS.items() if block_size > 1},
+# 4 (Clover, B > 1): the engine no longer holds choices right of a grammar's reach (Engine's lookahead).
+POINT_VERSIONS = {"clover": {point: 4 for point, (_, block_size) in CLOVER_POINTS.items() if block_size > 1},
                   "peer": {point: 3 for point in PEER_POINTS}}  # fmt: skip
 
 
