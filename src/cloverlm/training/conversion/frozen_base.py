@@ -7,8 +7,7 @@ Two costs the step does not need, both exact to remove (models/README.md, "Train
 - peft's trainable token rows (Clover's mask token, on the tied embedding and output head) rebuild the
   whole weight matrix on every call (`index_copy`), so autograd makes the embedding's dense gradient and
   the head's full weight gradient, to keep one row of each. `token_rows_apart` looks the frozen rows up
-  and writes the trained ones over them (the head: adds them into columns its frozen copy holds at
-  zero): the same values, and gradients only for those rows.
+  and writes the trained ones over them: the same values, and gradients only for those rows.
 """
 
 from __future__ import annotations
@@ -42,10 +41,7 @@ def token_rows_apart(peft_model, head_dtype: torch.dtype) -> None:
             continue
         weight = base.weight.detach()
         if isinstance(base, torch.nn.Linear):
-            # the trained tokens' columns are their rows' products alone (_rows_forward adds them in): zero
-            # in the frozen copy, so that neither the forward nor the backward copies the whole logits
-            weight = weight.to(head_dtype).clone()
-            weight[sorted({t for tokens in module.token_indices.values() for t in tokens})] = 0
+            weight = weight.to(head_dtype)
         module.forward = partial(_rows_forward, module, module.forward, weight)
     head = peft_model.get_output_embeddings()
     if type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad:
@@ -72,7 +68,5 @@ def _rows_forward(layer, peft_forward, weight: torch.Tensor, x: torch.Tensor) ->
         for row, token in enumerate(tokens):
             out = torch.where((x == token).unsqueeze(-1), rows[row].to(out.dtype), out)
         return out
-    if len(layer.token_indices) != 1:  # the frozen copy zeroed every adapter's tokens, not this one's alone
-        return peft_forward(x)
-    out = F.linear(x, weight)  # F.linear keeps its inputs for the backward, not its output: in place is exact
-    return out.index_add_(-1, torch.tensor(tokens, device=out.device), F.linear(x, rows).to(out.dtype))
+    out = F.linear(x, weight)
+    return out.index_copy(-1, torch.tensor(tokens, device=out.device), F.linear(x, rows).to(out.dtype))
