@@ -38,31 +38,36 @@ def bench_thresholds(models: BenchModels, options: BenchOptions) -> list[dict]:
 
 
 def _sweep(models: BenchModels, options: BenchOptions, settings: list[tuple[int | str, float]], desc: str) -> list[dict]:
-    """One row per (block size, threshold): the sweep prompts decoded as one batch. Only tokens and
-    forwards are compared here (a batched request decodes as it would alone); tokens_per_s is the
-    batch's throughput, not a latency."""
+    """One row per (block size, threshold). Each request is decoded alone, as a user's request is, prompt
+    by prompt with every setting in turn (interleaved against the machine's drift): tokens_per_s is
+    one request's speed, the thing a block size is chosen for. In a batch a forward's cost grows with the
+    rows times the block's positions, so larger blocks would lose there what they win alone."""
     tokenizer = models.tokenizer
     examples = heldout_examples(tokenizer, options.sweep_task, options.sweep_prompts, 1 << 30)
     grammars = Grammars(tokenizer, models.clover.config.vocab_size, stop_token_ids(tokenizer))
     grammar = [answer_grammar(grammars, get_task(options.sweep_task), e.example, options.answers) for e in examples]
-    rows = []
-    for block_size, threshold in tqdm(settings, desc=f"{desc} ({options.sweep_task})"):
-        params = [dataclasses.replace(clover_params(e, options, tokenizer, block_size), threshold=threshold) for e in examples]
-        engine = Engine(models.clover, max_batch_size=len(examples), calibration=models.calibration)
-        start = time.perf_counter()
-        completions = engine.generate([
-            Request(prompt_ids(e), p, constraint=None if g is None else grammars.constraint(g)) for e, p, g in zip(examples, params, grammar)])
-        seconds = time.perf_counter() - start
-        tokens = sum(len(completion.tokens) for completion in completions)
-        scores = [accuracy(options.sweep_task, e, c.tokens, tokenizer) for e, c in zip(examples, completions)]
-        rows.append(
-            {
-                "block_size": block_size,
-                "threshold": threshold,
-                "tpf": round(tokens / sum(completion.forwards for completion in completions), 3),
-                "tokens_per_s": round(tokens / seconds, 2),
-                "accuracy": round(statistics.mean(scores), 4),
-                "answers": options.answers,
-            }
-        )
-    return rows
+    engine = Engine(models.clover, max_batch_size=1, calibration=models.calibration)
+    totals = {setting: {"tokens": 0, "forwards": 0, "seconds": [], "scores": []} for setting in settings}
+    for example, g in tqdm(list(zip(examples, grammar)), desc=f"{desc} ({options.sweep_task})"):
+        for setting in settings:
+            block_size, threshold = setting
+            params = dataclasses.replace(clover_params(example, options, tokenizer, block_size), threshold=threshold)
+            start = time.perf_counter()
+            [completion] = engine.generate([Request(prompt_ids(example), params, constraint=None if g is None else grammars.constraint(g))])
+            total = totals[setting]
+            total["seconds"].append(time.perf_counter() - start)
+            total["tokens"] += len(completion.tokens)
+            total["forwards"] += completion.forwards
+            total["scores"].append(accuracy(options.sweep_task, example, completion.tokens, tokenizer))
+    return [
+        {
+            "block_size": block_size,
+            "threshold": threshold,
+            "tpf": round(total["tokens"] / max(total["forwards"], 1), 3),
+            "tokens_per_s": round(total["tokens"] / sum(total["seconds"]), 2),
+            "median_s": round(statistics.median(total["seconds"]), 3),
+            "accuracy": round(statistics.mean(total["scores"]), 4),
+            "answers": options.answers,
+        }
+        for (block_size, threshold), total in totals.items()
+    ]
