@@ -90,9 +90,19 @@ def test_the_readme_section_is_replaced(tmp_path):
         and text.count(README_START) == 1
         and text.count(README_END) == 1
     )
-    assert "train_campaign.sh 90" in text and "train_campaign.sh 60" not in text
+    assert "train_campaign.sh 90" in text and "train_campaign.sh 60" not in text  # from the minutes: no command kept
     assert "mixture no_fly_zones=0.55,chat=0.2, chat records: 800, noisy draws per block: 2;" in text
     assert "| smollm2-clover (candidate) | 20 | 0.2 |" in text
+
+
+def test_the_readme_lists_every_call_of_the_run_in_order(tmp_path):
+    entry = {"shipped": {"no_fly_b1": 0.1}, "candidate": {"no_fly_b1": 0.2}, "decision": {"promote": True}}
+    first = {"date": "2026-12-06", "minutes": 85, "command": "clover campaign --minutes 85 --lr 5e-05",
+             "device": "cpu (2 threads)", "results": {"smollm2-clover": entry}}  # fmt: skip
+    again = first | {"minutes": 0, "command": "clover campaign --minutes 0 --lr 5e-05"}
+    _update_readme(tmp_path, again, [first])
+    text = (tmp_path / "README.md").read_text()
+    assert "`clover campaign --minutes 85 --lr 5e-05`, then `clover campaign --minutes 0 --lr 5e-05`, on cpu" in text
 
 
 def test_promotion_swaps_in_the_adapter_and_keeps_the_rest(tmp_path):

@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shlex
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,6 +83,7 @@ class CampaignConfig:
     evaluate: bool = True
     promote: bool = True
     calibrate: bool = True  # refit Clover's block-size head when it is promoted
+    command: str = ""  # the invocation, for the record: models/README.md lists every call of a run
 
 
 def trainer_config(cfg: CampaignConfig, objective: str, device: str) -> ConvertConfig:
@@ -180,11 +183,19 @@ def _readme_table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def _update_readme(models: Path, summary: dict) -> None:
+def _command(call: dict) -> str:
+    """A call's command line as recorded; calls recorded before commands were kept give their minutes."""
+    return call.get("command") or f"scripts/train_campaign.sh {call['minutes']:g}"
+
+
+def _update_readme(models: Path, summary: dict, earlier: list[dict] = ()) -> None:
+    """Rewrite models/README.md's campaign section from this call's `summary`; `earlier`: the run's calls
+    before it (sessions.jsonl), whose commands are listed first, so the record says how the run was made."""
     readme = models / "README.md"
     text = readme.read_text() if readme.is_file() else ""
+    calls = [f"`{_command(call)}`" for call in (*earlier, summary)]
     body = (f"{README_START}\n## The training campaign, last session ({summary['date']})\n\n"
-            f"`scripts/train_campaign.sh {summary['minutes']:g}` on {summary['device']}, mixture "
+            f"{', then '.join(calls)}, on {summary['device']}, mixture "
             f"{','.join(f'{k}={v:g}' for k, v in summary.get('mixture', {}).items()) or '-'}, chat records: "
             f"{summary.get('chat_examples') or 'all'}, noisy draws per block: {summary.get('noisy_draws', 1)}; 20 held-out prompts a point, "
             f"20 messages, threshold 0.9, under the answer schema (evaluation/campaign.py). Promotion: the paired gain "
@@ -197,6 +208,12 @@ def _update_readme(models: Path, summary: dict) -> None:
     readme.write_text(text)
 
 
+def _earlier_calls(out: Path) -> list[dict]:
+    """The run's calls so far, one summary a line of out/sessions.jsonl, oldest first."""
+    log = out / "sessions.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+
+
 def run_campaign(cfg: CampaignConfig) -> dict:
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     out, models = Path(cfg.out), Path(cfg.models)
@@ -206,7 +223,7 @@ def run_campaign(cfg: CampaignConfig) -> dict:
     clover_cfg, peer_cfg = trainer_config(cfg, "diffusion", device), trainer_config(cfg, "ar", device)
     clover = _train(clover_cfg, cfg.minutes * cfg.clover_share)
     peer = _train(peer_cfg, None, stop_at=clover["steps"])
-    summary = {"date": time.strftime("%Y-%m-%d"), "minutes": cfg.minutes, "mixture": clover_cfg.mixture,
+    summary = {"date": time.strftime("%Y-%m-%d"), "minutes": cfg.minutes, "command": cfg.command, "mixture": clover_cfg.mixture,
                "chat_examples": clover_cfg.chat_examples, "noisy_draws": clover_cfg.noisy_draws, "device": clover["device"],
                "train_seconds": round(time.time() - started), "clover": clover, "peer": peer, "results": {}}  # fmt: skip
     if cfg.evaluate:
@@ -233,7 +250,7 @@ def run_campaign(cfg: CampaignConfig) -> dict:
             if cfg.promote and decision["promote"]:
                 _promote(out / name, models / name, candidate, cfg.calibrate and objective == "diffusion")
         if cfg.promote:
-            _update_readme(models, summary)
+            _update_readme(models, summary, _earlier_calls(out))
     summary["seconds"] = round(time.time() - started)
     with open(out / "sessions.jsonl", "a") as handle:
         handle.write(json.dumps(summary) + "\n")
@@ -302,11 +319,12 @@ def parse_mixture(text: str) -> dict[str, float]:
 
 
 def config_from_args(args) -> CampaignConfig:
-    """The campaign of parsed `add_arguments` options."""
+    """The campaign of parsed `add_arguments` options; its command is this process's command line."""
     return CampaignConfig(minutes=args.minutes, out=args.out, models=args.models, device=args.device, prompts=args.prompts,
                           rows_per_step=args.rows_per_step, tokens_per_step=args.tokens_per_step, mixture=args.mixture,
                           chat_examples=args.chat_examples, noisy_draws=args.noisy_draws, lr=args.lr,
-                          schedule_steps=args.schedule_steps, evaluate=not args.no_eval, promote=not args.no_promote)  # fmt: skip
+                          schedule_steps=args.schedule_steps, evaluate=not args.no_eval, promote=not args.no_promote,
+                          command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]))  # fmt: skip
 
 
 def run_from_args(args) -> dict:
