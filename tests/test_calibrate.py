@@ -9,7 +9,7 @@ from cloverlm import CloverError
 from cloverlm.decoding.calibration import Calibration, load_calibration
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import BlockRecord, DecodeParams, Request
-from cloverlm.training.calibrate import calibrate, fit_head
+from cloverlm.training.calibrate import RIDGE_GRID, calibrate, fit_head
 from conftest import tiny_model
 
 
@@ -30,6 +30,36 @@ def test_fit_recovers_steps_that_depend_on_the_hidden_state():
     # 8 tokens in ~2 steps of 1.5 ms beats 1 token per 1 ms; 8 steps of 1.5 ms does not
     assert calibration.choose(easy) == 8 and calibration.choose(hard) == 1
     assert fit[8]["blocks"] == 200 and fit[1]["rmse_log_steps"] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_the_ridge_is_chosen_by_leave_one_out_error():
+    """Fourteen blocks against 64 features: steps that are noise get a near-constant head in most draws (a
+    small fixed ridge interpolates them and then predicts noise); steps that follow a feature keep it."""
+    constant = 0
+    for seed in range(10):
+        torch.manual_seed(seed)
+        noise = {8: [BlockRecord(h, 8, int(torch.randint(1, 9, ()))) for h in torch.randn(14, 64)]}
+        probes, spread = torch.randn(100, 64), {}
+        for ridge in (None, 1e-3):
+            weight, bias, fit = fit_head(noise, 64, ridge=ridge)
+            spread[ridge] = float((probes @ weight[0]).std())
+        assert fit[8]["rmse_log_steps"] < 0.05 < fit[8]["loo_rmse_log_steps"]  # the small ridge fits the noise
+        constant += spread[None] < 0.05 * spread[1e-3]
+    assert constant >= 7
+    signal = {8: [BlockRecord(h, 8, 2 if h[0] > 0 else 8) for h in torch.randn(60, 4)]}
+    weight, bias, fit = fit_head(signal, 4)
+    assert fit[8]["ridge"] < max(RIDGE_GRID) and fit[8]["loo_rmse_log_steps"] < 0.7 * math.log(4)
+    assert weight[0, 0] < 0 and weight[0, 1:].abs().max() < weight[0, 0].abs()
+
+
+def test_the_head_predicts_mean_steps_not_their_geometric_mean():
+    """Tokens per second divide by the mean steps: half the blocks in 1 step and half in 16 average 8.5,
+    where exp(mean log steps) says 4 and would make the size look twice as fast as it is."""
+    torch.manual_seed(0)
+    records = {16: [BlockRecord(h, 16, 1 if i % 2 else 16) for i, h in enumerate(torch.randn(40, 32))]}
+    weight, bias, fit = fit_head(records, 32)
+    predicted = Calibration([16], 0.9, [1.0], weight, bias).predicted_steps(torch.zeros(32))
+    assert fit[16]["mean_steps"] == 8.5 and abs(float(predicted[0]) - 8.5) < abs(4.0 - 8.5)
 
 
 def test_unobserved_sizes_are_assumed_sequential():
