@@ -1,6 +1,7 @@
 """Block-size calibration: the head's fit, the choice rule, save/load, and block_size="auto" end to end."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from cloverlm import CloverError
 from cloverlm.decoding.calibration import Calibration, load_calibration
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import BlockRecord, DecodeParams, Request
-from cloverlm.training.calibrate import RIDGE_GRID, calibrate, fit_head
+from cloverlm.training.calibrate import RIDGE_GRID, calibrate, fit_head, step_costs
 from conftest import tiny_model
 
 
@@ -62,6 +63,27 @@ def test_the_head_predicts_mean_steps_not_their_geometric_mean():
     assert fit[16]["mean_steps"] == 8.5 and abs(float(predicted[0]) - 8.5) < abs(4.0 - 8.5)
 
 
+def test_step_costs_come_from_the_decoded_blocks():
+    hidden = torch.zeros(3)
+    records = {1: [BlockRecord(hidden, 1, 1, 0.030)] * 4,
+               8: [BlockRecord(hidden, 8, 2, 0.100), BlockRecord(hidden, 8, 3, 0.150), BlockRecord(hidden, 5, 5, 9.0)],
+               16: []}  # fmt: skip
+    # size 8: 250 ms over 5 steps (the short last block left out); size 16: its bare 40 ms plus the median
+    # the host added at the measured sizes (30 - 10 and 50 - 20 ms)
+    assert step_costs(records, [10.0, 20.0, 40.0]) == [30.0, 50.0, 65.0]
+
+
+def test_auto_divides_by_what_a_step_cost_in_decoding():
+    """Two sizes whose bare forwards cost the same, where a step of the large one cost three times as
+    much in decoding (its commit, the grammar): the choice follows the decoding cost, per kind."""
+    weight, bias = torch.zeros(2, 4), torch.tensor([0.0, math.log(2.0)])  # 1 step at size 1, 2 at size 4
+    bare = Calibration([1, 4], 0.9, [10.0, 10.0], weight, bias, constrained=(weight, bias))
+    assert bare.choose(torch.zeros(4)) == 4  # 4 tokens in 20 ms against 1 in 10
+    measured = replace(bare, step_ms={"free": [10.0, 30.0], "constrained": [10.0, 15.0]})
+    assert measured.choose(torch.zeros(4)) == 1  # 4 in 60 ms against 1 in 10
+    assert measured.choose(torch.zeros(4), constrained=True) == 4  # 4 in 30 ms
+
+
 def test_unobserved_sizes_are_assumed_sequential():
     weight, bias, fit = fit_head({4: [], 1: [BlockRecord(torch.ones(3), 1, 1)]}, 3)
     calibration = Calibration([4, 1], 0.9, [1.0, 1.0], weight, bias)
@@ -86,9 +108,12 @@ def test_calibrate_end_to_end(tmp_path, tokenizer, random_model):
     for kind in ("free", "constrained"):
         assert report["fit"][kind][1]["mean_steps"] == 1.0 and report["fit"][kind][8]["blocks"] > 0
     assert len(calibration.forward_ms) == 3 and min(calibration.forward_ms) > 0
+    assert {kind: len(ms) for kind, ms in calibration.step_ms.items()} == {"free": 3, "constrained": 3}
+    assert min(min(ms) for ms in calibration.step_ms.values()) > 0
     calibration.save(tmp_path, extra=report)
     loaded = load_calibration(tmp_path)
     probe = torch.randn(model.config.hidden_size)
+    assert loaded.step_ms == calibration.step_ms
     for constrained in (False, True):  # two heads, both saved
         assert loaded.choose(probe, constrained) == calibration.choose(probe, constrained)
         torch.testing.assert_close(loaded.predicted_steps(probe, constrained), calibration.predicted_steps(probe, constrained))

@@ -3,7 +3,8 @@
 A small head reads the hidden state a block starts from (the final hidden state of the last decoded
 position) and predicts, for each candidate size n, how many denoising steps the next block would take
 at the calibrated threshold. The decoder picks the size with the highest expected tokens per second,
-n / (steps(n) * forward_ms(n)), where forward_ms is measured on the calibrating machine: a bigger block
+n / (steps(n) * ms(n)), where ms is what a step of that size cost while the calibrating machine decoded
+(forward and host work, `step_ms`; a bare forward, `forward_ms`, for older calibrations): a bigger block
 only pays when the model is sure enough to fill it in few steps. Under a grammar forced runs fill part
 of every block for free, which changes the size that pays, and the hidden state cannot tell whether a
 request is constrained: such requests get their own head (`constrained`, fitted on answers decoded
@@ -33,6 +34,10 @@ class Calibration:
     bias: torch.Tensor  # [S]
     prefill_block_size: int = 16
     constrained: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, bias) for requests under a grammar
+    # What a denoising step of each size cost in decoding, per kind of request ("free", "constrained"): the
+    # forward, the commit it carries and the host's unmasking and grammar. Where given, the choice divides
+    # by these rather than by forward_ms, a bare forward that leaves out the host's fixed cost per step.
+    step_ms: dict[str, list[float]] | None = None
 
     def predicted_steps(self, hidden: torch.Tensor, constrained: bool = False) -> torch.Tensor:
         weight, bias = self.constrained if constrained and self.constrained is not None else (self.weight, self.bias)
@@ -41,8 +46,13 @@ class Calibration:
 
     def choose(self, hidden: torch.Tensor, constrained: bool = False) -> int:
         sizes = torch.tensor(self.block_sizes, dtype=torch.float32)
-        speed = sizes / (self.predicted_steps(hidden, constrained) * torch.tensor(self.forward_ms))
+        speed = sizes / (self.predicted_steps(hidden, constrained) * torch.tensor(self.cost_ms(constrained)))
         return self.block_sizes[int(speed.argmax())]
+
+    def cost_ms(self, constrained: bool = False) -> list[float]:
+        """Milliseconds a step of each size costs requests of this kind."""
+        kind = "constrained" if constrained else "free"
+        return self.step_ms[kind] if self.step_ms and kind in self.step_ms else self.forward_ms
 
     def save(self, folder: Path, extra: dict | None = None) -> None:
         folder = Path(folder)
@@ -55,6 +65,7 @@ class Calibration:
             "threshold": self.threshold,
             "forward_ms": self.forward_ms,
             "prefill_block_size": self.prefill_block_size,
+            **({"step_ms": self.step_ms} if self.step_ms else {}),
             **(extra or {}),
         }
         (folder / FILES[0]).write_text(json.dumps(meta, indent=1))
@@ -74,5 +85,6 @@ def load_calibration(folder: str | Path) -> Calibration | None:
         weight=tensors["weight"],
         bias=tensors["bias"],
         prefill_block_size=meta.get("prefill_block_size", 16),
+        step_ms=meta.get("step_ms"),
         constrained=(tensors["constrained_weight"], tensors["constrained_bias"]) if "constrained_weight" in tensors else None,
     )

@@ -170,11 +170,13 @@ class Request:
 @dataclass
 class BlockRecord:
     """One finished block, for fitting the block-size head: the hidden state the block started from,
-    its size and the denoising steps it took."""
+    its size, the denoising steps it took and their wall time (at batch 1 the block's own: its forwards,
+    the commit of the block before it, and the host's unmasking and grammar)."""
 
     hidden: torch.Tensor
     size: int
     steps: int
+    seconds: float = 0.0
 
 
 @dataclass

@@ -4,6 +4,7 @@ change to that state (the engine decides when; the row knows how)."""
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
@@ -48,6 +49,7 @@ class DecodeRow:
         self.block_steps = 0
         self.initially_masked = 0
         self.block_start_hidden: torch.Tensor | None = None
+        self.block_started = 0.0  # perf_counter when the current block opened (its BlockRecord's seconds)
         self.drafted = torch.zeros(0, dtype=torch.bool)  # [block]: targets the current step reads as drafts
         self.draft: torch.Tensor | None = None  # [block] the drafted tokens (where drafted)
         # slots: the tokens each position may take ([block, V]) and where the slots are
@@ -59,6 +61,7 @@ class DecodeRow:
     def start_block(self, block_size: int) -> None:
         size = min(block_size, self.params.max_new_tokens - len(self.generated))
         self.block_start_hidden = self.last_hidden
+        self.block_started = time.perf_counter()
         self.block = torch.full((size,), self.mask_id)
         self.unchecked = torch.zeros(size, dtype=torch.bool)
         self.block_steps = 0
@@ -70,6 +73,7 @@ class DecodeRow:
     def start_slots(self, vocab_size: int) -> None:
         slots = self.request.slots
         self.block_start_hidden = self.last_hidden
+        self.block_started = time.perf_counter()
         self.block = torch.tensor([self.mask_id if token is None else token for token in slots.layout])
         self.unchecked = torch.zeros(len(self.block), dtype=torch.bool)
         self.block_steps = 0
@@ -168,7 +172,8 @@ class DecodeRow:
         over. Returns the tokens that became final."""
         self.blocks += 1
         if record and self.block_start_hidden is not None:
-            self.block_records.append(BlockRecord(self.block_start_hidden, len(self.block), self.block_steps))
+            seconds = time.perf_counter() - self.block_started
+            self.block_records.append(BlockRecord(self.block_start_hidden, len(self.block), self.block_steps, seconds))
         return self._join(self.block.tolist())
 
     def _join(self, tokens: list[int]) -> list[int]:

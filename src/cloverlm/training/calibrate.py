@@ -139,6 +139,21 @@ def _ridge_by_loo(x: torch.Tensor, y: torch.Tensor, grid) -> tuple[torch.Tensor,
     return w, float(y_mean - x_mean @ w), alpha, math.sqrt(mse)
 
 
+def step_costs(records_by_size: dict[int, list], forward_ms: list[float]) -> list[float]:
+    """Milliseconds a denoising step of each size cost in the decodes the head was fitted on (its full
+    blocks' wall time over their steps, at batch 1). A size without a full block gets its bare forward
+    plus the median of what the host added to a step at the sizes that have one."""
+    measured = {}
+    for size, records in records_by_size.items():
+        full = [r for r in records if r.size == size]
+        if full:
+            measured[size] = 1000 * sum(r.seconds for r in full) / sum(r.steps for r in full)
+    sizes = list(records_by_size)
+    added = [measured[s] - forward_ms[sizes.index(s)] for s in measured]
+    host = statistics.median(added) if added else 0.0
+    return [round(measured.get(size, forward + host), 3) for size, forward in zip(sizes, forward_ms)]
+
+
 def decode_all(model, prompts, params_for, grammars=None, calibration=None, record: bool = False, desc: str = ""):
     """Decode every prompt alone (batch 1, as latency is measured), under its grammar where it has one;
     returns completions and wall seconds."""
@@ -171,7 +186,7 @@ def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fi
                                            stop_token_ids=stops, draft=draft)
 
     grammars = Grammars(tokenizer, model.config.vocab_size, stops)
-    heads, fits, fit_sets = {}, {}, {}
+    heads, fits, fit_sets, records_by_kind = {}, {}, {}, {}
     for kind, modes in KINDS.items():
         fit_sets[kind] = calibration_prompts(tokenizer, fit_prompts, CALIBRATION_SEED_BASE, max_new_tokens, grammars, modes)
         records = {}
@@ -179,10 +194,13 @@ def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fi
             completions, _ = decode_all(model, fit_sets[kind], params_for(size), grammars, record=True, desc=f"fit {kind} B={size}")
             records[size] = [r for c in completions for r in c.block_records]
         *heads[kind], fits[kind] = fit_head(records, model.config.hidden_size)
+        records_by_kind[kind] = records
     # Forward cost depends on the context it attends to: measure it at the fit prompts' median length.
     context = int(statistics.median(len(ids) for fit_set in fit_sets.values() for ids, *_ in fit_set))
-    calibration = Calibration(sizes, threshold, measure_forward_ms(model, sizes, context=context), *heads["free"],
-                              constrained=tuple(heads["constrained"]))
+    forward_ms = measure_forward_ms(model, sizes, context=context)
+    step_ms = {kind: step_costs(records, forward_ms) for kind, records in records_by_kind.items()}
+    calibration = Calibration(sizes, threshold, forward_ms, *heads["free"], constrained=tuple(heads["constrained"]),
+                              step_ms=step_ms)
 
     judged = []
     for kind, modes in KINDS.items():
