@@ -78,6 +78,12 @@ def calibration_prompts(tokenizer, count: int, seed_base: int, max_new_tokens: i
     return out
 
 
+def full_blocks(records: list, size: int) -> list:
+    """The records of blocks decoded at their full `size` (not an answer's short last block): what the head
+    and the step costs are fitted on."""
+    return [r for r in records if r.size == size]
+
+
 # The head's ridge, in units of the mean feature variance (so the grid means the same at any hidden size
 # and norm), chosen per size by leave-one-out error. A refit sees a dozen blocks of the large sizes against
 # 576 features: a fixed small ridge interpolated them (fit error 0.002 in log steps) and chose sizes by noise.
@@ -93,7 +99,7 @@ def fit_head(records_by_size: dict[int, list], hidden_size: int, ridge: float | 
     bias = torch.zeros(len(records_by_size))
     fit = {}
     for row, (size, records) in enumerate(records_by_size.items()):
-        records = [r for r in records if r.size == size]  # full blocks only (not a short last block)
+        records = full_blocks(records, size)
         if not records:
             bias[row] = math.log(size)  # never observed: assume no parallelism
             fit[size] = {"blocks": 0}
@@ -143,15 +149,14 @@ def step_costs(records_by_size: dict[int, list], forward_ms: list[float]) -> lis
     """Milliseconds a denoising step of each size cost in the decodes the head was fitted on (its full
     blocks' wall time over their steps, at batch 1). A size without a full block gets its bare forward
     plus the median of what the host added to a step at the sizes that have one."""
+    bare = dict(zip(records_by_size, forward_ms))
     measured = {}
     for size, records in records_by_size.items():
-        full = [r for r in records if r.size == size]
-        if full:
+        if full := full_blocks(records, size):
             measured[size] = 1000 * sum(r.seconds for r in full) / sum(r.steps for r in full)
-    sizes = list(records_by_size)
-    added = [measured[s] - forward_ms[sizes.index(s)] for s in measured]
+    added = [ms - bare[size] for size, ms in measured.items()]
     host = statistics.median(added) if added else 0.0
-    return [round(measured.get(size, forward + host), 3) for size, forward in zip(sizes, forward_ms)]
+    return [round(measured.get(size, forward + host), 3) for size, forward in bare.items()]
 
 
 def decode_all(model, prompts, params_for, grammars=None, calibration=None, record: bool = False, desc: str = ""):
