@@ -10,7 +10,7 @@ from cloverlm import CloverError
 from cloverlm.decoding.calibration import Calibration, load_calibration
 from cloverlm.decoding.engine import Engine
 from cloverlm.decoding.params import BlockRecord, DecodeParams, Request
-from cloverlm.training.calibrate import RIDGE_GRID, calibrate, fit_head, step_costs
+from cloverlm.training.calibrate import RIDGE_GRID, calibrate, fit_head, recost, step_costs
 from conftest import tiny_model
 
 
@@ -84,6 +84,54 @@ def test_auto_divides_by_what_a_step_cost_in_decoding():
     assert measured.choose(torch.zeros(4), constrained=True) == 4  # 4 in 30 ms
 
 
+def test_step_costs_grow_with_the_history():
+    """Behind a long prompt attention makes the large block's step dearer faster than the small one's:
+    the choice turns from 64 to 16 where 64's two steps cost more than four of 16's."""
+    weight, bias = torch.zeros(2, 4), torch.tensor([0.0, math.log(2.0)])  # 1 step at 16, 2 at 64
+    near = Calibration([16, 64], 0.9, [8.0, 9.0], weight, bias, step_ms={"free": [10.0, 12.0]})
+    assert near.cost_ms(context=5000) == [10.0, 12.0]  # no slopes: the costs as measured
+    grows = replace(near, forward_context=500, ms_per_1k_context=[1.0, 10.0])
+    assert grows.cost_ms() == [10.0, 12.0] and grows.cost_ms(context=500) == [10.0, 12.0]
+    assert grows.cost_ms(context=1500) == [11.0, 22.0]
+    assert grows.cost_ms(context=0) == [9.5, 7.0]
+    assert replace(grows, ms_per_1k_context=[100.0, 100.0]).cost_ms(context=0) == [2.5, 3.0]  # a quarter at least
+    assert grows.choose(torch.zeros(4), context=500) == 64  # 64 tokens in 24 ms against 16 in 10
+    assert grows.choose(torch.zeros(4), context=3500) == 16  # 64 in 84 ms against 16 in 13
+
+
+def test_auto_chooses_by_the_row_s_history(random_model):
+    """The engine hands the calibration each block's history: the prompt and the answer so far."""
+    seen = []
+
+    class Recording(Calibration):
+        def choose(self, hidden, constrained=False, context=None):
+            seen.append(context)
+            return 4
+
+    hidden = random_model.config.hidden_size
+    calibration = Recording([4], 0.9, [1.0], torch.zeros(1, hidden), torch.zeros(1))
+    prompt = list(range(3, 40))
+    [completion] = Engine(random_model, calibration=calibration).generate(
+        [Request(prompt, DecodeParams(max_new_tokens=12, block_size="auto"))])
+    assert len(completion.tokens) == 12 and seen == [37, 41, 45]
+
+
+def test_recost_times_the_costs_again_and_keeps_the_heads(tmp_path, random_model):
+    hidden = random_model.config.hidden_size
+    old = Calibration([1, 4], 0.9, [50.0, 60.0], torch.randn(2, hidden), torch.randn(2),
+                      step_ms={"constrained": [70.0, 100.0]}, forward_context=40)  # fmt: skip
+    new = recost(random_model, old)
+    assert torch.equal(new.weight, old.weight) and torch.equal(new.bias, old.bias) and new.forward_context == 40
+    host = [step - forward for step, forward in zip(new.step_ms["constrained"], new.forward_ms)]
+    assert host == pytest.approx([20.0, 40.0], abs=1e-2) and new.forward_ms != old.forward_ms
+    assert len(new.ms_per_1k_context) == 2 and min(new.ms_per_1k_context) >= 0
+    # saved over a report of the older file: the report stays, the new costs win
+    new.save(tmp_path, extra={"fit": {"free": {}}, "forward_ms": old.forward_ms, "step_ms": old.step_ms})
+    loaded = load_calibration(tmp_path)
+    assert (loaded.forward_ms, loaded.step_ms, loaded.ms_per_1k_context) == (new.forward_ms, new.step_ms, new.ms_per_1k_context)
+    assert '"fit"' in (tmp_path / "calibration.json").read_text()
+
+
 def test_unobserved_sizes_are_assumed_sequential():
     weight, bias, fit = fit_head({4: [], 1: [BlockRecord(torch.ones(3), 1, 1)]}, 3)
     calibration = Calibration([4, 1], 0.9, [1.0, 1.0], weight, bias)
@@ -114,6 +162,8 @@ def test_calibrate_end_to_end(tmp_path, tokenizer, random_model):
     loaded = load_calibration(tmp_path)
     probe = torch.randn(model.config.hidden_size)
     assert loaded.step_ms == calibration.step_ms
+    assert loaded.forward_context == report["forward_context"] and len(loaded.ms_per_1k_context) == 3
+    assert loaded.ms_per_1k_context == calibration.ms_per_1k_context and min(calibration.ms_per_1k_context) >= 0
     for constrained in (False, True):  # two heads, both saved
         assert loaded.choose(probe, constrained) == calibration.choose(probe, constrained)
         torch.testing.assert_close(loaded.predicted_steps(probe, constrained), calibration.predicted_steps(probe, constrained))

@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-prompts", type=int, default=calibrate.FIT_PROMPTS)
     p.add_argument("--eval-prompts", type=int, default=calibrate.EVAL_PROMPTS)
     p.add_argument("--max-new-tokens", type=int, default=calibrate.MAX_NEW_TOKENS)
+    p.add_argument("--costs-only", action="store_true",
+                   help="keep the fitted heads and time the step costs again on this machine (seconds, not minutes)")
     p.set_defaults(func=cmd_calibrate)
 
     for name, func, helptext in (

@@ -117,11 +117,23 @@ def cmd_calibrate(args) -> None:
     model, tokenizer = _load(args)
     if not _is_clover(model):
         raise CloverError(f"{args.model} holds the autoregressive peer: it has no block size to calibrate")
+    folder = _model_dir(args)
+    if args.costs_only:
+        from cloverlm.decoding.calibration import FILES, load_calibration
+        from cloverlm.training.calibrate import recost
+
+        if (calibration := load_calibration(folder)) is None:
+            raise CloverError(f"{folder} has no calibration to time again: run `clover calibrate` without --costs-only")
+        calibration = recost(model, calibration)
+        calibration.save(folder, extra=json.loads((folder / FILES[0]).read_text()))  # the fit's report stays
+        print(f"step costs at {calibration.forward_context} tokens of context: {calibration.cost_ms(True)} ms "
+              f"(constrained), {calibration.ms_per_1k_context} ms more per 1,000 tokens")
+        print(f"calibration written to {folder}/calibration.json")
+        return
     calibration, report = calibrate(
         model, tokenizer, threshold=args.threshold, fit_prompts=args.fit_prompts, eval_prompts=args.eval_prompts,
         max_new_tokens=args.max_new_tokens,
     )
-    folder = _model_dir(args)
     calibration.save(folder, extra=report)
     for row in report["evaluation"]:
         print(f"{row['requests']:>11} block size {row['block_size']!s:>4}: {row['tpf']:6.2f} tokens/forward  "

@@ -204,7 +204,7 @@ class Engine:
             if row.request.slots is not None:
                 row.start_slots(self.config.vocab_size)
             elif row.params.block_size == AUTO:
-                row.start_block(self.calibration.choose(row.last_hidden, row.request.constraint is not None))
+                row.start_block(self._auto_size(row))
             else:
                 row.start_block(size)
             joined.append((row, cache))
@@ -258,9 +258,12 @@ class Engine:
     def _end_block(self, row: DecodeRow) -> None:
         row.finish_block(self.record_blocks)
         if row.finish_reason is None:
-            size = (self.calibration.choose(row.last_hidden, row.request.constraint is not None) if row.params.block_size == AUTO
-                    else row.params.block_size)
+            size = self._auto_size(row) if row.params.block_size == AUTO else row.params.block_size
             row.next_block(size, self._commit_in_place(row), self.config.max_block_size if self.jumps else 0)
+
+    def _auto_size(self, row: DecodeRow) -> int:
+        """block_size="auto": the calibration's choice for the row's next block, by its kind and history."""
+        return self.calibration.choose(row.last_hidden, row.request.constraint is not None, row.context)
 
     def _commit_in_place(self, row: DecodeRow) -> bool:
         """Whether the finished block's last step computed its commit already: same inputs (all final),

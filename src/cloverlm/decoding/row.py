@@ -56,6 +56,11 @@ class DecodeRow:
         self.allowed: torch.Tensor | None = None
         self.slot_positions: list[int] = []
 
+    @property
+    def context(self) -> int:
+        """Tokens of history the next block reads: the prompt and the answer so far."""
+        return len(self.request.prompt_ids) + len(self.generated)
+
     # -- a block's life --
 
     def start_block(self, block_size: int) -> None:

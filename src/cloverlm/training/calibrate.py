@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
@@ -35,10 +36,14 @@ FIT_PROMPTS = 16
 EVAL_PROMPTS = 8
 MAX_NEW_TOKENS = 128
 KINDS = {"free": ("free",), "constrained": ("schema", "grounded")}  # a head per kind; the answer modes it is fitted on
+# The long context bare forwards are timed at beside the fit prompts' (Calibration.ms_per_1k_context):
+# about a 20-message no_fly prompt, the demo's and the benchmark's.
+LONG_CONTEXT = 2048
+SHORT_CONTEXT = 256  # measure_forward_ms's default
 
 
 @torch.no_grad()
-def measure_forward_ms(model, sizes, context: int = 256, repeats: int = 7) -> list[float]:
+def measure_forward_ms(model, sizes, context: int = SHORT_CONTEXT, repeats: int = 7) -> list[float]:
     """Median wall time of one denoising forward per block size at batch 1, behind `context` tokens
     prefilled as the engine prefills for block_size="auto"."""
     cache = CloverCache.empty(model.config)
@@ -55,6 +60,31 @@ def measure_forward_ms(model, sizes, context: int = 256, repeats: int = 7) -> li
             samples.append((time.perf_counter() - start) * 1000)
         timings.append(round(statistics.median(samples), 3))
     return timings
+
+
+def context_slopes(model, sizes, context: int, forward_ms: list[float], long_context: int = LONG_CONTEXT) -> list[float]:
+    """Per size, the milliseconds a bare forward adds per 1,000 tokens of history: `forward_ms` (timed at
+    `context`) against forwards timed at `long_context` (within the model's positions). Never negative:
+    a forward cannot get cheaper with more to attend to, whatever the timer's noise says."""
+    long_context = min(long_context, model.config.max_position_embeddings - max(sizes))
+    if long_context <= context:
+        return [0.0] * len(sizes)
+    long_ms = measure_forward_ms(model, sizes, context=long_context)
+    return [round(max(far - near, 0.0) * 1000 / (long_context - context), 3) for near, far in zip(forward_ms, long_ms)]
+
+
+def recost(model, calibration: Calibration) -> Calibration:
+    """The calibration with its costs timed again on this machine, its heads kept: bare forwards at its
+    forward_context and at LONG_CONTEXT; each step cost keeps what the host added to the bare forward
+    where it was fitted (step_ms - forward_ms), a cost of this machine's process rather than its kernels."""
+    context = calibration.forward_context or SHORT_CONTEXT  # older calibrations timed forwards there
+    forward_ms = measure_forward_ms(model, calibration.block_sizes, context=context)
+    step_ms = calibration.step_ms and {
+        kind: [round(step - old + new, 3) for step, old, new in zip(ms, calibration.forward_ms, forward_ms)]
+        for kind, ms in calibration.step_ms.items()
+    }
+    slopes = context_slopes(model, calibration.block_sizes, context, forward_ms)
+    return replace(calibration, forward_ms=forward_ms, step_ms=step_ms, forward_context=context, ms_per_1k_context=slopes)
 
 
 def calibration_prompts(tokenizer, count: int, seed_base: int, max_new_tokens: int, grammars: Grammars | None = None,
@@ -205,7 +235,8 @@ def calibrate(model, tokenizer, *, threshold: float = DecodeParams.threshold, fi
     forward_ms = measure_forward_ms(model, sizes, context=context)
     step_ms = {kind: step_costs(records, forward_ms) for kind, records in records_by_kind.items()}
     calibration = Calibration(sizes, threshold, forward_ms, *heads["free"], constrained=tuple(heads["constrained"]),
-                              step_ms=step_ms)
+                              step_ms=step_ms, forward_context=context,
+                              ms_per_1k_context=context_slopes(model, sizes, context, forward_ms))
 
     judged = []
     for kind, modes in KINDS.items():
