@@ -11,6 +11,7 @@ import pytest
 from cloverlm.evaluation.campaign import paired_difference
 from cloverlm.paths import MODELS
 from cloverlm.training.conversion.campaign import (
+    HISTORY,
     README_END,
     README_START,
     STEP_SHAPE,
@@ -72,7 +73,7 @@ def test_the_shipped_log_gains_a_runs_lines_once(tmp_path):
 def test_the_readme_section_is_replaced(tmp_path):
     (tmp_path / "README.md").write_text("# Shipped models\n\nintro\n")
     entry = {"shipped": {"no_fly_b1": 0.1, "total_tokens": 10}, "candidate": {"no_fly_b1": 0.2, "total_tokens": 20},
-             "decision": {"promote": True}}  # fmt: skip
+             "decision": {"promote": True, "primary": {"mean": 0.1, "stderr": 0.02}}}  # fmt: skip
     for minutes in (60, 90):
         summary = {
             "date": "2026-12-05",
@@ -96,13 +97,32 @@ def test_the_readme_section_is_replaced(tmp_path):
 
 
 def test_the_readme_lists_every_call_of_the_run_in_order(tmp_path):
-    entry = {"shipped": {"no_fly_b1": 0.1}, "candidate": {"no_fly_b1": 0.2}, "decision": {"promote": True}}
+    entry = {"shipped": {"no_fly_b1": 0.1}, "candidate": {"no_fly_b1": 0.2},
+             "decision": {"promote": True, "primary": {"mean": 0.1, "stderr": 0.02}}}
     first = {"date": "2026-12-06", "minutes": 85, "command": "clover campaign --minutes 85 --lr 5e-05",
              "device": "cpu (2 threads)", "results": {"smollm2-clover": entry}}  # fmt: skip
     again = first | {"minutes": 0, "command": "clover campaign --minutes 0 --lr 5e-05"}
     _update_readme(tmp_path, again, [first])
     text = (tmp_path / "README.md").read_text()
     assert "`clover campaign --minutes 85 --lr 5e-05`, then `clover campaign --minutes 0 --lr 5e-05`, on cpu" in text
+
+
+def test_a_session_that_promotes_nothing_keeps_the_one_that_did(tmp_path):
+    """The README's last-session table is replaced each call; the history under it keeps every call."""
+    def call(date, promote, b1):
+        entry = {"shipped": {"no_fly_b1": 0.5}, "candidate": {"no_fly_b1": b1, "total_tokens": 7},
+                 "decision": {"promote": promote, "primary": {"mean": b1 - 0.5, "stderr": 0.02}}}
+        return {"date": date, "minutes": 85, "command": f"clover campaign --minutes 85 # {date}", "device": "cpu",
+                "results": {"smollm2-clover": entry}}  # fmt: skip
+
+    _update_readme(tmp_path, call("2026-12-06", True, 0.7))
+    _update_readme(tmp_path, call("2026-12-07", False, 0.4))
+    text = (tmp_path / "README.md").read_text()
+    assert "| 2026-12-06 | smollm2-clover | 7 | 0.7 | - | - | - | - | +0.200 (0.020) | yes |" in text
+    assert "| 2026-12-07 | smollm2-clover | 7 | 0.4 | - | - | - | - | -0.100 (0.020) | no |" in text
+    assert text.index("2026-12-06 | smollm2") < text.index("2026-12-07 | smollm2") and text.count(README_END) == 1
+    history = [json.loads(line) for line in (tmp_path / HISTORY).read_text().splitlines()]
+    assert [h["command"] for h in history] == ["clover campaign --minutes 85 # 2026-12-06", "clover campaign --minutes 85 # 2026-12-07"]
 
 
 def test_promotion_swaps_in_the_adapter_and_keeps_the_rest(tmp_path):

@@ -48,6 +48,9 @@ CAMPAIGN_MIXTURE = {
 # Per device: rows and clean tokens of a step (CUDA: several rows, padded; the CPU: two rows of 1,600).
 STEP_SHAPE = {"cpu": (2, 1600), "cuda": (8, 4000)}
 README_START, README_END = "<!-- campaign:start -->", "<!-- campaign:end -->"
+# models/: a line per evaluated call of every run, so that the README keeps what each session measured and
+# promoted (the run folders under runs/ are not kept by a new checkout)
+HISTORY = "campaign_history.jsonl"
 # The block-size head's refit on promotion: the settings the shipped head was last fitted with
 # (models/README.md), a quarter of `clover calibrate`'s defaults in decoding time.
 REFIT = {"fit_prompts": 8, "eval_prompts": 4, "max_new_tokens": 96}
@@ -183,6 +186,21 @@ def _readme_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def _history_table(history: list[dict]) -> str:
+    """A row per model and call: its candidate's scores, its paired no_fly gain and whether it was promoted."""
+    rows = ["| date | model | tokens in all | no_fly B=1 | no_fly B=16 | unseen | tool_call | chat | paired gain (stderr) | promoted |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for call in history:
+        for name, entry in call["results"].items():
+            r, gain = entry["candidate"], entry["decision"]["primary"]
+            rows.append(
+                f"| {call['date']} | {name} | {r.get('total_tokens') or '?'} | {r.get('no_fly_b1', '-')} | {r.get('no_fly_b16', '-')} "
+                f"| {r.get('unseen_b16', r.get('unseen_b1', '-'))} | {r.get('tool_call_b16', r.get('tool_call_b1', '-'))} "
+                f"| {r.get('chat', '-')} | {gain['mean']:+.3f} ({gain['stderr']:.3f}) | {'yes' if entry['decision']['promote'] else 'no'} |"
+            )
+    return "\n".join(rows)
+
+
 def _command(call: dict) -> str:
     """A call's command line as recorded; calls recorded before commands were kept give their minutes."""
     return call.get("command") or f"scripts/train_campaign.sh {call['minutes']:g}"
@@ -191,8 +209,12 @@ def _command(call: dict) -> str:
 def _update_readme(models: Path, summary: dict, earlier: list[dict] = ()) -> None:
     """Rewrite models/README.md's campaign section from this call's `summary`; `earlier`: the run's calls
     before it (sessions.jsonl), whose commands are listed first, so the record says how the run was made."""
-    readme = models / "README.md"
+    readme, history_file = models / "README.md", models / HISTORY
     text = readme.read_text() if readme.is_file() else ""
+    line = {key: summary[key] for key in ("date", "device", "results")} | {"command": _command(summary)}
+    with open(history_file, "a") as handle:
+        handle.write(json.dumps(line) + "\n")
+    history = [json.loads(row) for row in history_file.read_text().splitlines() if row.strip()]
     calls = [f"`{_command(call)}`" for call in (*earlier, summary)]
     body = (f"{README_START}\n## The training campaign, last session ({summary['date']})\n\n"
             f"{', then '.join(calls)}, on {summary['device']}, mixture "
@@ -200,7 +222,8 @@ def _update_readme(models: Path, summary: dict, earlier: list[dict] = ()) -> Non
             f"{summary.get('chat_examples') or 'all'}, noisy draws per block: {summary.get('noisy_draws', 1)}; 20 held-out prompts a point, "
             f"20 messages, threshold 0.9, under the answer schema (evaluation/campaign.py). Promotion: the paired gain "
             f"on the no_fly points above twice its standard error, tool_call and chat not down by more than twice theirs.\n\n"
-            f"{_readme_table(summary['results'])}\n{README_END}")  # fmt: skip
+            f"{_readme_table(summary['results'])}\n\nEvery evaluated call so far, oldest first ({HISTORY}; the candidate's "
+            f"scores, its paired gain on the no_fly points):\n\n{_history_table(history)}\n{README_END}")  # fmt: skip
     if README_START in text:
         text = text[: text.index(README_START)] + body + text[text.index(README_END) + len(README_END) :]
     else:
