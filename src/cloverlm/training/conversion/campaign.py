@@ -30,7 +30,8 @@ import torch
 from cloverlm.evaluation.campaign import CAMPAIGN_EVAL, evaluate_folder, paired_difference
 from cloverlm.model.checkpoint import atomic_write_dir
 from cloverlm.paths import MODELS
-from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer
+from cloverlm.training.conversion.chunks import train_in_chunks
+from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer, resolve_device
 from cloverlm.training.loop import STATE_FILE
 
 SHIPPED = {"diffusion": "smollm2-clover", "ar": "smollm2-peer"}
@@ -114,6 +115,8 @@ def trainer_config(cfg: CampaignConfig, objective: str, device: str) -> ConvertC
 
 def _train(convert_cfg: ConvertConfig, minutes: float | None, stop_at: int | None = None) -> dict:
     convert_cfg.minutes = minutes
+    if resolve_device(convert_cfg.device).type == "cpu":  # a fresh heap every few steps (chunks.py)
+        return train_in_chunks(convert_cfg, stop_at)
     resume = (Path(convert_cfg.out) / "checkpoint").is_dir()
     trainer = ConvertTrainer(convert_cfg, resume=resume)
     try:
