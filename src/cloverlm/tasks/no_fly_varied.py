@@ -24,8 +24,7 @@ WIDEST = 166  # characters of a message at its widest fields: "20. " + 166 fits 
 
 _COORDS = (
     "{lat}N {lon}E", "{lat}N, {lon}E", "{lat} N {lon} E", "{lat}°N {lon}°E", "({lat}, {lon})",
-    "latitude {lat} longitude {lon}", "{lat}N-{lon}E", "position {lat}N {lon}E", "coordinates {lat}N {lon}E",
-    "centre point {lat}N {lon}E",
+    "latitude {lat} longitude {lon}", "{lat}N-{lon}E", "position {lat}N {lon}E",
 )  # fmt: skip
 _RADII = ("{radius} {unit}", "{radius}{unit}")
 # what may not fly there (a zone), in prose; capitals come from `_capitals`
@@ -34,10 +33,6 @@ _BANS = (
     "quadcopters must not fly", "multicopter flights are forbidden", "no drone is to be flown",
     "small drones are not allowed", "drone operators must not fly", "flying UAS is prohibited",
     "no UAV is to operate", "camera drones are banned",
-    # the aircraft under other names, so that the noun is read rather than recognised (no UNSEEN word)
-    "uncrewed aircraft are prohibited", "no uncrewed aircraft flights", "pilotless aircraft must not fly",
-    "UA operations are forbidden", "crewless aircraft are banned", "drones are barred",
-    "UAS are forbidden to operate", "a drone-free zone applies", "no-drone area",
 )  # fmt: skip
 _AREAS = (
     "within {R} of {C}", "in a radius of {R} around {C}", "inside {R} of {C}", "{R} around {C}",
@@ -53,8 +48,8 @@ _TIMES = (
     "starting {start}, finishing {end}",
 )  # fmt: skip
 _LEADS = ("{id}: ", "Notice {id}: ", "[{id}] ", "Message {id} - ", "Circular {id}: ", "Drone notice {id}: ")
-_TAILS = (" [{id}]", " (notice {id})", " - message {id}", " Id {id}.", " (notice number {id})")
-_JOINS = (", ", "; ", " - ", " | ")
+_TAILS = (" [{id}]", " (notice {id})", " - message {id}", " Id {id}.")
+_JOINS = (", ", "; ", " - ")
 
 # Look-alikes: the parts of a zone and what makes it none. An inactive status closes the message; a ban
 # on other aircraft exempts drones; an area for drones invites them.
@@ -140,6 +135,6 @@ def _compose(make, count: int, seed: str) -> tuple[str, ...]:
 # A distractor pool of three look-alikes to one plain notice: SEEN's share is about half look-alikes, but
 # here every look-alike is worded anew, and reading what makes it none is the skill to learn.
 VARIED = Family(
-    zones=_compose(_zone, 900, "varied zones"),
-    distractors=_compose(_look_alike, 675, "varied look-alikes") + _compose(_plain, 225, "varied plain"),
+    zones=_compose(_zone, 600, "varied zones"),
+    distractors=_compose(_look_alike, 450, "varied look-alikes") + _compose(_plain, 150, "varied plain"),
 )
