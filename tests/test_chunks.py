@@ -2,11 +2,13 @@
 one piece: the same losses step for step and the same adapter."""
 
 import json
+import time
 
 import pytest
 from safetensors.torch import load_file
 
 from cloverlm.errors import CloverError
+from cloverlm.training.conversion import chunks
 from cloverlm.training.conversion.chunks import checkpoint_step, train_in_chunks
 from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer
 
@@ -39,3 +41,18 @@ def test_a_chunk_that_fails_is_an_error_that_says_so(tmp_path):
         train_in_chunks(ConvertConfig(out=str(tmp_path / "bad"), objective="nonsense", **SMALL))
     with pytest.raises(CloverError, match="needs max_steps"):
         train_in_chunks(ConvertConfig(out=str(tmp_path / "x"), **(SMALL | {"max_steps": None})))
+
+
+def test_no_chunk_starts_once_the_minutes_are_spent(tmp_path, monkeypatch):
+    """A chunk that ends on the deadline ends the run: no new process only to find no time left."""
+    calls = []
+
+    def chunk(cfg, minutes, stop_at):
+        calls.append((minutes, stop_at))
+        time.sleep(0.05)  # past the 0.0005-minute deadline
+        return {"step": stop_at if minutes else 0}  # a child given no minutes trains no step
+
+    monkeypatch.setattr(chunks, "_run_chunk", chunk)
+    cfg = ConvertConfig(out=str(tmp_path / "run"), **(SMALL | {"max_steps": 30}))
+    cfg.minutes = 0.0005
+    assert train_in_chunks(cfg, chunk_steps=10) == {"step": 10} and [stop for _, stop in calls] == [10]

@@ -45,9 +45,12 @@ def train_in_chunks(cfg: ConvertConfig, stop_at: int | None = None, chunk_steps:
         raise CloverError("training in chunks needs max_steps: a --minutes budget alone is calibrated per process")
     deadline = None if cfg.minutes is None else time.time() + 60 * cfg.minutes
     end = cfg.max_steps if stop_at is None else min(stop_at, cfg.max_steps)
+    summary = None
     while True:
         target = min(checkpoint_step(cfg.out) + chunk_steps, end)
         minutes = None if deadline is None else max(deadline - time.time(), 0.0) / 60
+        if summary is not None and minutes == 0:  # the minutes ran out at a chunk's end: no process for nothing
+            return summary
         summary = _run_chunk(cfg, minutes, target)
         if summary["step"] >= end or summary["step"] < target:  # done, or out of minutes
             return summary
