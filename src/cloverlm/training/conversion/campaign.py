@@ -16,7 +16,6 @@ One call, resumable at every point:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import shlex
 import shutil
@@ -30,8 +29,8 @@ import torch
 from cloverlm.evaluation.campaign import CAMPAIGN_EVAL, evaluate_folder, paired_difference
 from cloverlm.model.checkpoint import atomic_write_dir
 from cloverlm.paths import MODELS
-from cloverlm.training.conversion.chunks import train_in_chunks
-from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer, resolve_device
+from cloverlm.training.conversion.chunks import train_here, train_in_chunks
+from cloverlm.training.conversion.trainer import ConvertConfig, resolve_device
 from cloverlm.training.loop import STATE_FILE
 
 SHIPPED = {"diffusion": "smollm2-clover", "ar": "smollm2-peer"}
@@ -117,18 +116,7 @@ def _train(convert_cfg: ConvertConfig, minutes: float | None, stop_at: int | Non
     convert_cfg.minutes = minutes
     if resolve_device(convert_cfg.device).type == "cpu":  # a fresh heap every few steps (chunks.py)
         return train_in_chunks(convert_cfg, stop_at)
-    resume = (Path(convert_cfg.out) / "checkpoint").is_dir()
-    trainer = ConvertTrainer(convert_cfg, resume=resume)
-    try:
-        summary = (
-            trainer.run(stop_at=stop_at)
-            if stop_at is None or trainer.step < stop_at
-            else trainer.finish(None)
-        )
-    finally:
-        del trainer
-        gc.collect()  # the next trainer's memory: bound_heap hands this one's back to the kernel
-    return summary
+    return train_here(convert_cfg, stop_at)
 
 
 def beats(candidate: dict, shipped: dict, primary: list[str], guards: list[str]) -> dict:

@@ -14,6 +14,7 @@ crosses the process boundary as a pickle.
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import torch
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import recover_dir
 from cloverlm.training.conversion.config import ConvertConfig
+from cloverlm.training.conversion.trainer import ConvertTrainer
 from cloverlm.training.loop import STATE_FILE
 
 CHUNK_STEPS = 10  # steps a process trains: the fall came within a fresh process's second ten steps
@@ -68,15 +70,21 @@ def _run_chunk(cfg: ConvertConfig, minutes: float | None, stop_at: int) -> dict:
     return json.loads(summary_path.read_text())
 
 
-def _chunk(orders: dict) -> None:
-    """One chunk, in this (new) process: resume the run if it has begun, train to orders' stop_at."""
-    from cloverlm.training.conversion.trainer import ConvertTrainer
-
-    torch.set_num_threads(orders["threads"])
-    cfg = ConvertConfig(**orders["config"])
+def train_here(cfg: ConvertConfig, stop_at: int | None = None) -> dict:
+    """`cfg`'s run in this process: resumed if it has begun, trained to `stop_at` steps (or its end);
+    the trainer's summary. A chunk's child, and the campaign's trainer on CUDA."""
     trainer = ConvertTrainer(cfg, resume=recover_dir(Path(cfg.out) / "checkpoint") is not None)
-    stop_at = orders["stop_at"]
-    summary = trainer.run(stop_at=stop_at) if trainer.step < stop_at else trainer.finish(None)
+    try:
+        return trainer.run(stop_at=stop_at) if stop_at is None or trainer.step < stop_at else trainer.finish(None)
+    finally:
+        del trainer
+        gc.collect()  # the next trainer's memory: release_heap hands this one's back to the kernel
+
+
+def _chunk(orders: dict) -> None:
+    """One chunk, in this (new) process."""
+    torch.set_num_threads(orders["threads"])
+    summary = train_here(ConvertConfig(**orders["config"]), orders["stop_at"])
     Path(orders["summary"]).write_text(json.dumps(summary))
 
 
