@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cloverlm.errors import CloverError
+from cloverlm.ops.block_conv import boundary_rows
 from cloverlm.ops.gated_delta import chunk_layout
 
 
@@ -22,6 +23,13 @@ class BlockLayout:
     block_end: torch.Tensor  # [L] one past the last position of the block
     chunk_index: torch.Tensor  # [N, C] positions packed into chunks of whole blocks, -1 = padding
     chunk_block: torch.Tensor  # [N, C] block number per chunk slot
+    _boundary_rows: dict = field(default_factory=dict, repr=False)  # per conv radius, built by the first layer
+
+    def boundary_rows(self, radius: int) -> dict[int, torch.Tensor]:
+        """The rows whose conv taps a block boundary changes (ops/block_conv.py), shared by all layers."""
+        if radius not in self._boundary_rows:
+            self._boundary_rows[radius] = boundary_rows(self.block_sizes, radius, self.block_id.device)
+        return self._boundary_rows[radius]
 
     @classmethod
     def build(cls, block_sizes: list[int], chunk_size: int, device) -> BlockLayout:

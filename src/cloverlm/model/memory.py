@@ -12,6 +12,7 @@ from cloverlm.model.cache import DecodeBlock, LayerCache
 from cloverlm.model.config import CloverConfig
 from cloverlm.model.layers import CloverGatedRMSNorm, l2norm, rotary
 from cloverlm.model.layout import BlockLayout
+from cloverlm.ops.block_conv import block_conv
 from cloverlm.ops.gated_delta import gated_delta_readout, two_stream_gated_delta_rule
 
 
@@ -179,25 +180,9 @@ class CloverMemoryMixer(nn.Module):
         return out_noisy, out_clean
 
     def _block_conv(self, stream, clean, layout: BlockLayout):
-        """The centred depthwise conv (then SiLU) of every block at once, [B, L, C] -> [B, L, C].
-
-        Offsets before the block's start come from the clean (committed) history, offsets inside the block
-        from `stream`, offsets past the block's end are zero: the future is unknown.
-        """
-        r = self.radius
-        length = stream.shape[1]
-        pad = lambda x: F.pad(x, (0, 0, r, r))
-        stream_p, clean_p = pad(stream), pad(clean)
-        positions = torch.arange(length, device=stream.device)
-        out = 0
-        for j in range(-r, r + 1):
-            source = positions + j
-            from_history = (source < layout.block_start)[None, :, None]
-            inside = (source < layout.block_end)[None, :, None]
-            rows = torch.where(from_history, clean_p[:, r + j : r + j + length], stream_p[:, r + j : r + j + length])
-            rows = rows * inside.to(rows.dtype)
-            out = out + rows * self.conv1d.weight[:, 0, j + r].to(rows.dtype)
-        return F.silu(out)
+        """The centred depthwise conv (then SiLU) of every block at once, [B, L, C] -> [B, L, C]: history
+        before a block's start, the stream inside it, zero past its end (ops/block_conv.py)."""
+        return F.silu(block_conv(stream, clean, self.conv1d.weight, layout.boundary_rows(self.radius)))
 
     # -- decoding: one block against the cache --
 
