@@ -81,6 +81,25 @@ def test_gradients_match_recurrence():
         torch.testing.assert_close(y.grad, x.grad, atol=1e-4, rtol=1e-4)
 
 
+def test_noisy_readout_gradients_match_recurrence():
+    sizes = [1, 4, 3, 8, 1, 5]
+    a = inputs(length=sum(sizes), requires_grad=True) + [inputs(length=sum(sizes), seed=1)[0].requires_grad_(True)]
+    b = [t.detach().clone().requires_grad_(True) for t in a]
+    q, k, v, g, beta, s0, q_noisy = a
+    expected, start = [], 0
+    for size in sizes:  # each block's noisy queries read the state before the block
+        state = s0 if start == 0 else recurrent_gated_delta_rule(q[:, :start], k[:, :start], v[:, :start], g[:, :start], beta[:, :start], s0)[1]
+        expected.append(gated_delta_readout(q_noisy[:, start : start + size], state))
+        start += size
+    o, _, o_noisy, _ = chunk_gated_delta_rule(*b[:5], block_sizes=sizes, chunk_size=8, initial_state=b[5], q_noisy=b[6])
+    weights = torch.randn_like(o), torch.randn_like(o)
+    o_ref = recurrent_gated_delta_rule(*a[:6])[0]
+    ((o_ref * weights[0]).sum() + (torch.cat(expected, 1) * weights[1]).sum()).backward()
+    ((o * weights[0]).sum() + (o_noisy * weights[1]).sum()).backward()
+    for x, y in zip(a, b):
+        torch.testing.assert_close(y.grad, x.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_blocks_longer_than_chunk_are_rejected():
     q, k, v, g, b, _ = inputs(length=20)
     with pytest.raises(ValueError, match="block sizes must be in 1..8"):

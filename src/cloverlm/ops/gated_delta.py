@@ -147,19 +147,24 @@ def chunk_gated_delta_rule(
     state = (
         torch.zeros(batch, heads, dk, dv, device=v.device) if initial_state is None else initial_state.float()
     )
+    # Everything that does not depend on the state is computed for all chunks at once, and the loop takes
+    # each chunk's slice from one unbind: a slice taken inside the loop would, in the backward, fill a
+    # zero tensor of all chunks for every chunk (quadratic in the chunks; most of a CPU step's time).
+    g_last = gc[..., -1:]
+    u_c, w_c, qk_c = u.unbind(2), w.unbind(2), qk.unbind(2)
+    q_decayed = (qc * gc.exp()[..., None]).unbind(2)  # q_i exp(g_i): reads the state at the chunk's start
+    k_decayed = (kc * (g_last - gc).exp()[..., None]).transpose(-1, -2).unbind(2)  # k_i decayed to the end
+    chunk_decay = g_last.exp()[..., None].unbind(2)  # [B, H, 1, 1] per chunk
+    if q_noisy is not None:
+        qn_decayed = (qn * g_start.exp()[..., None]).unbind(2)
+        qk_noisy_c = qk_noisy.unbind(2)
     outputs, noisy_outputs, states = [], [], [state]
     for c in range(n_chunks):
-        new_values = u[:, :, c] - w[:, :, c] @ state  # delta_i = u_i - w_i S0
-        g = gc[:, :, c]
-        outputs.append((qc[:, :, c] * g.exp()[..., None]) @ state + qk[:, :, c] @ new_values)
+        new_values = u_c[c] - w_c[c] @ state  # delta_i = u_i - w_i S0
+        outputs.append(q_decayed[c] @ state + qk_c[c] @ new_values)
         if q_noisy is not None:
-            noisy_outputs.append(
-                (qn[:, :, c] * g_start[:, :, c].exp()[..., None]) @ state + qk_noisy[:, :, c] @ new_values
-            )
-        g_last = g[..., -1:]
-        state = state * g_last.exp()[..., None] + (kc[:, :, c] * (g_last - g).exp()[..., None]).transpose(
-            -1, -2
-        ) @ new_values
+            noisy_outputs.append(qn_decayed[c] @ state + qk_noisy_c[c] @ new_values)
+        state = state * chunk_decay[c] + k_decayed[c] @ new_values
         states.append(state)
 
     def from_chunks(chunked):
