@@ -2,7 +2,8 @@
 
 The teacher is the all-attention model the student was grafted from (convert/graft.py), frozen, in bf16
 where the hardware multiplies it (checkpoint.multiplies_bf16, the rule that decoding and the conversion
-trainer follow), else fp32. The student is the graft, in fp32; what trains is the mixer (`linear_attn`) of
+trainer follow), else fp32. The student is the graft, in fp32, run under bf16 autocast by the same rule
+(its weights and optimizer stay fp32, as the conversion trainer's adapter); what trains is the mixer (`linear_attn`) of
 each memory layer that is attention in the teacher, with AdamW and no weight decay: the mixers start from the
 attention's weights, and weight decay would pull them away. A checkpoint is the student as a plain Clover
 folder (loadable by load_model) with the optimizer's state and the loop's; --resume continues from it, and the
@@ -58,7 +59,7 @@ class GraftStageConfig:
     checkpoint_every: int | None = None  # steps; None: every checkpoint_minutes
     checkpoint_minutes: float = 10.0
     device: str = "cpu"
-    bf16: bool | None = None  # the teacher's dtype; None: bf16 where the hardware multiplies it
+    bf16: bool | None = None  # the teacher's dtype and the student's autocast; None: where the hardware multiplies it
 
 
 def grafted_layers(teacher, student) -> list[int]:
@@ -132,6 +133,7 @@ class GraftLoop(Loop):
                 raise CloverError(f"--resume with a different configuration than the checkpoint's: {', '.join(changed)} "
                                   f"(only {', '.join(RESUME_MAY_CHANGE)} may change)")  # fmt: skip
         self.teacher_bf16 = multiplies_bf16(self.device) if cfg.bf16 is None else cfg.bf16
+        self.bf16 = self.teacher_bf16  # the student's forward and backward under autocast, as the conversion trainer's
         self.teacher = load_model(cfg.teacher, torch.bfloat16 if self.teacher_bf16 else torch.float32).to(
             self.device
         )

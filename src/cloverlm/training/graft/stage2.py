@@ -21,8 +21,8 @@ Choices:
   data_weight > 0 adds the conversion objective's own term (issue 30, item 4: "then the conversion
   objective"): the cross-entropy of the text's tokens at the same slots, averaged alike, so that the hybrid
   can learn past its teacher where the teacher is wrong (`data_nll` in the log).
-- dtype: the teacher as in base.py; the student's forward under bf16 autocast where the hardware multiplies
-  it (the rule the conversion trainer follows), its trained mixers and their optimizer in fp32.
+- dtype: as in base.py (the teacher in bf16 and the student under bf16 autocast where the hardware multiplies
+  it; the trained mixers and their optimizer in fp32).
 - no held-out evaluation: every batch is new data, so each step's KL is measured before any update on it.
 """
 
@@ -71,10 +71,6 @@ def distillation_kl(
 class GraftStage2(GraftLoop):
     label = "graft stage 2"
     plot_file = PLOT_FILE
-
-    def __init__(self, cfg: Stage2Config, resume: bool = False):
-        super().__init__(cfg, resume)
-        self.bf16 = self.teacher_bf16  # the student's autocast (Loop.autocast)
 
     def batch(self, step: int) -> tuple[NoisedBatch, list[int]]:
         """(the noised rows, the step's block partition): seq_len + 1 tokens a row give seq_len input positions."""
