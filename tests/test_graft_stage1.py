@@ -3,6 +3,7 @@ its teacher attention's output, on a tiny converted Llama with the packaged base
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,20 +45,29 @@ def grafted_folders(root, grafted: list[int]):
     return root / "teacher", root / "student"
 
 
-def config(folders, out, **changes):
+def stage_config(config_class, folders, out, **changes):
+    """A tiny stage run's config (stage 1 or 2): the two small tasks, rows of 64 tokens, a high learning rate."""
     teacher, student = folders
     fields = dict(teacher=str(teacher), student=str(student), out=str(out), mixture={"arithmetic": 1.0, "kv_retrieval": 1.0},
-                  seq_len=64, rows_per_step=2, lr=1e-2, warmup_steps=2, max_steps=15)  # fmt: skip
-    return Stage1Config(**{**fields, **changes})
+                  seq_len=64, rows_per_step=2, lr=1e-2, warmup_steps=2)  # fmt: skip
+    return config_class(**{**fields, **changes})
+
+
+def run_stage(loop_class, cfg):
+    """(the run's folder, the trainer) after the whole run."""
+    trainer = loop_class(cfg)
+    trainer.run()
+    return Path(cfg.out), trainer
+
+
+def config(folders, out, **changes):
+    return stage_config(Stage1Config, folders, out, **{"max_steps": 15, **changes})
 
 
 @pytest.fixture(scope="module")
 def trained(folders, tmp_path_factory):
     """A 15-step run at a high learning rate: (its folder, the trainer)."""
-    out = tmp_path_factory.mktemp("run") / "stage1"
-    trainer = GraftStage1(config(folders, out))
-    trainer.run()
-    return out, trainer
+    return run_stage(GraftStage1, config(folders, tmp_path_factory.mktemp("run") / "stage1"))
 
 
 def test_each_layers_loss_falls_within_a_few_steps(trained):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from cloverlm.cli import main
 from cloverlm.convert.load import load_model
 from cloverlm.training.graft.stage2 import GraftStage2, Stage2Config, distillation_kl
-from test_graft_stage1 import grafted_folders
+from test_graft_stage1 import grafted_folders, run_stage, stage_config
 from test_training_loop import crash_at, logged
 
 GRAFTED = [0, 2]  # layers 1 and 3 stay attention
@@ -24,18 +24,12 @@ def folders(tmp_path_factory):
 
 
 def config(folders, out, **changes):
-    teacher, student = folders
-    fields = dict(teacher=str(teacher), student=str(student), out=str(out), mixture={"arithmetic": 1.0, "kv_retrieval": 1.0},
-                  seq_len=64, rows_per_step=2, lr=1e-2, warmup_steps=2, max_steps=12, bf16=False)  # fmt: skip
-    return Stage2Config(**{**fields, **changes})
+    return stage_config(Stage2Config, folders, out, **{"max_steps": 12, "bf16": False, **changes})
 
 
 @pytest.fixture(scope="module")
 def trained(folders, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run") / "stage2"
-    trainer = GraftStage2(config(folders, out))
-    trainer.run()
-    return out, trainer
+    return run_stage(GraftStage2, config(folders, tmp_path_factory.mktemp("run") / "stage2"))
 
 
 def test_the_kl_falls_and_the_student_comes_to_agree_with_the_teacher(trained):
