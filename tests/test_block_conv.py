@@ -4,6 +4,7 @@ tap-by-tap rule: outputs and the gradients of stream, clean and weight."""
 import pytest
 import torch
 
+from cloverlm.model.layout import BlockLayout
 from cloverlm.ops.block_conv import block_conv, block_conv_reference, boundary_rows
 
 PARTITIONS = {
@@ -13,6 +14,12 @@ PARTITIONS = {
     "shorter than radius": [2, 1, 2, 30, 1],
     "sequence shorter than radius": [3],
 }
+
+
+def _bounds(partition):
+    """(block_start, block_end) of every position, as the model's layout gives them."""
+    layout = BlockLayout.build(partition, max(partition), "cpu")
+    return layout.block_start, layout.block_end
 
 
 def _run(fn, stream, clean, weight, *extra):
@@ -31,7 +38,7 @@ def test_block_conv_matches_the_tap_by_tap_rule(partition, radius, two_streams):
     stream = torch.randn(2, length, channels, dtype=torch.float64, requires_grad=True)
     clean = torch.randn(2, length, channels, dtype=torch.float64, requires_grad=True) if two_streams else stream
     weight = torch.randn(channels, 1, 2 * radius + 1, dtype=torch.float64, requires_grad=True)
-    want, want_grads = _run(block_conv_reference, stream, clean, weight, partition)
+    want, want_grads = _run(block_conv_reference, stream, clean, weight, *_bounds(partition))
     got, got_grads = _run(block_conv, stream, clean, weight, boundary_rows(partition, radius))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for g, w in zip(got_grads, want_grads):
@@ -43,7 +50,7 @@ def test_block_conv_in_bf16_stays_close_to_fp32():
     partition = PARTITIONS["mixed"]
     stream, clean = torch.randn(2, sum(partition), 8), torch.randn(2, sum(partition), 8)
     weight = torch.randn(8, 1, 5)
-    want = block_conv_reference(stream, clean, weight, partition)
+    want = block_conv_reference(stream, clean, weight, *_bounds(partition))
     got = block_conv(stream.bfloat16(), clean.bfloat16(), weight, boundary_rows(partition, 2))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)

@@ -8,8 +8,8 @@ depthwise conv of the stream and then corrects only the rows a block boundary to
 its block's end is taken out, and a tap that read the stream before its block's start is swapped for the
 clean history. A boundary touches at most `radius` rows of a block per tap, so the corrections are small
 gathers. The tap-by-tap form pads and slices the whole sequence for each tap and each stream; its backward
-allocates and fills a zero tensor of the padded sequence for every slice, which made the conv more than half
-of a graft stage-1 step on the CPU (models/README.md).
+allocates and fills a zero tensor of the padded sequence for every slice (aten::fill_ alone was 21% of a
+graft stage-1 step in a 1-thread CPU profile: models/README.md).
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import torch
 import torch.nn.functional as F
 
 
-def block_conv_reference(stream, clean, weight, block_sizes: list[int]):
-    """stream, clean [B, L, C]; weight [C, 1, 2r + 1] (tap j + r weighs the row j places away); block_sizes:
-    the partition of the L positions. Returns the conv before its activation, [B, L, C]."""
+def block_conv_reference(stream, clean, weight, block_start, block_end):
+    """stream, clean [B, L, C]; weight [C, 1, 2r + 1] (tap j + r weighs the row j places away); block_start,
+    block_end [L]: each position's block (model/layout.py's BlockLayout). Returns the conv before its
+    activation, [B, L, C]."""
     r = weight.shape[-1] // 2
     length = stream.shape[1]
-    sizes = torch.tensor(block_sizes, device=stream.device)
-    block_end = torch.repeat_interleave(sizes.cumsum(0), sizes)
-    block_start = block_end - torch.repeat_interleave(sizes, sizes)
     pad = lambda x: F.pad(x, (0, 0, r, r))
     stream_p, clean_p = pad(stream), pad(clean)
     positions = torch.arange(length, device=stream.device)
@@ -120,13 +118,13 @@ class _BlockConv(torch.autograd.Function):
         for j, at in rows.items():
             if not len(at) or (j < 0 and not two_streams):
                 continue
-            g = grad[:, at] * w[:, j + r]
+            g_rows = grad[:, at]
+            g = g_rows * w[:, j + r]
             if grad_stream is not None:
                 grad_stream.index_add_(1, at + j, g, alpha=-1)
             if grad_clean is not None and j < 0:
                 grad_clean.index_add_(1, at + j, g)
             if grad_weight is not None:
-                g_rows = grad[:, at]
                 grad_weight[:, 0, j + r] -= (g_rows * stream[:, at + j]).sum((0, 1), dtype=grad_weight.dtype)
                 if j < 0:
                     grad_weight[:, 0, j + r] += (g_rows * clean[:, at + j]).sum((0, 1), dtype=grad_weight.dtype)

@@ -132,9 +132,9 @@ class GraftLoop(Loop):
             if changed:
                 raise CloverError(f"--resume with a different configuration than the checkpoint's: {', '.join(changed)} "
                                   f"(only {', '.join(RESUME_MAY_CHANGE)} may change)")  # fmt: skip
-        self.teacher_bf16 = multiplies_bf16(self.device) if cfg.bf16 is None else cfg.bf16
-        self.bf16 = self.teacher_bf16  # the student's forward and backward under autocast, as the conversion trainer's
-        self.teacher = load_model(cfg.teacher, torch.bfloat16 if self.teacher_bf16 else torch.float32).to(
+        # one switch: the teacher's dtype and the student's autocast (Loop.autocast), as the conversion trainer's
+        self.bf16 = multiplies_bf16(self.device) if cfg.bf16 is None else cfg.bf16
+        self.teacher = load_model(cfg.teacher, torch.bfloat16 if self.bf16 else torch.float32).to(
             self.device
         )
         self.teacher.requires_grad_(False)
@@ -189,5 +189,5 @@ class GraftLoop(Loop):
         atomic_write_dir(student, lambda folder: save_model(self.student, self.tokenizer, folder))
         self.plot(self.out / self.plot_file)
         return {"steps": self.state["step"], "tokens": self.state["tokens"], "layers": self.layers,
-                "teacher": "bf16" if self.teacher_bf16 else "fp32", "device": device_label(self.device),
+                "teacher": "bf16" if self.bf16 else "fp32", "device": device_label(self.device),
                 "out": str(student), "plot": str(self.out / self.plot_file)}  # fmt: skip
