@@ -82,6 +82,41 @@ def test_prefill_equals_block_by_block_commits(model, causal_clean):
         )
 
 
+@pytest.mark.parametrize("causal_clean", [False, True])
+def test_fused_commit_and_step_equal_separate_calls(causal_clean):
+    """A forward that commits one block and denoises the next (one attention call over the joint mask in
+    attention layers) gives the step's logits and the cache of a commit call followed by a step call:
+    rows with padded blocks of different lengths, different histories, and drafted step inputs."""
+    # attention before memory: a commit's attention output reaches later layers' history
+    model = tiny_model(layer_types=[ATTENTION, MEMORY, ATTENTION, MEMORY], causal_clean_stream=causal_clean)
+    x0, _ = noisy_pair(40, seed=3)
+    fused, separate = CloverCache.empty(model.config, batch=2), CloverCache.empty(model.config, batch=2)
+    rounds = [  # (commit valid counts, step valid counts, drafted step inputs from)
+        ([6, 6], [6, 6], None), ([6, 3], [4, 6], None), ([2, 5], [5, 5], 3), ([1, 1], [6, 2], None),
+    ]
+    with torch.no_grad():
+        for cache in (fused, separate):
+            model.prefill(x0[:, :8], [4, 4], cache)
+        for commit_counts, step_counts, drafted_from in rounds:
+            commit_valid = torch.arange(6)[None] < torch.tensor(commit_counts)[:, None]
+            step_valid = torch.arange(6)[None] < torch.tensor(step_counts)[:, None]
+            commit_ids, step_ids = x0[:, 8:14], torch.where(torch.arange(6) % 2 == 0, x0[:, 20:26], 2)
+            causal = None if drafted_from is None else (torch.arange(6) >= drafted_from)[None].expand(2, -1) & step_valid
+            joint = model.decode(fused, commit_ids, commit_valid, step_ids, step_valid, step_causal=causal).logits
+            model.decode(separate, commit_ids, commit_valid)
+            alone = model.decode(separate, step_ids=step_ids, step_valid=step_valid, step_causal=causal).logits
+            torch.testing.assert_close(joint[step_valid], alone[step_valid], atol=1e-5, rtol=1e-5)
+            assert fused.lengths.tolist() == separate.lengths.tolist()
+        for a, b in zip(fused.layers, separate.layers):
+            for x, y in ((a.state, b.state), (a.conv_tail, b.conv_tail)):
+                if x is not None:
+                    torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+            for x, y in zip(a.cached_kv(), b.cached_kv()):
+                if x is not None:
+                    for row, length in enumerate(fused.lengths.tolist()):
+                        torch.testing.assert_close(x[row, :, :length], y[row, :, :length], atol=1e-5, rtol=1e-5)
+
+
 def test_masked_tokens_never_enter_the_cache(model):
     x0, _ = noisy_pair(16)
     cache = CloverCache.empty(model.config, batch=2)

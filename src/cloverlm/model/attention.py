@@ -182,3 +182,15 @@ class CloverAttention(nn.Module):
         q, k, v, gate = self._project(x, block.positions)
         keys, values = cache.write_block(k, v, block)
         return self._output(self._attend(q, keys, values, block.key_mask), gate)
+
+    def forward_commit_step(self, x_commit, x_step, commit: DecodeBlock, step: DecodeBlock, cache: LayerCache,
+                            joint_mask: torch.Tensor):
+        """forward_block on the block to commit and then on the block to denoise, as one projection and
+        one attention call over joint_mask (cache.joint_key_mask): the same result, with one call's fixed
+        cost instead of two and matmuls twice as tall (`make demo`'s Clover: 2.74 -> 2.50 s, models/README.md)."""
+        n = x_commit.shape[1]
+        q, k, v, gate = self._project(torch.cat([x_commit, x_step], 1), torch.cat([commit.positions, step.positions], 1))
+        cache.write_block(k[:, :, :n], v[:, :, :n], commit)
+        keys, values = cache.write_block(k[:, :, n:], v[:, :, n:], step)
+        out = self._output(self._attend(q, keys, values, joint_mask), gate)
+        return out[:, :n], out[:, n:]

@@ -78,6 +78,25 @@ class DecodeBlock:
         positions = history[:, None] + torch.arange(n, device=device)
         return cls(valid, positions, history, history_max, commit, not all_valid, same_history, key_mask, block_mask)
 
+    def key_mask_over(self, width: int) -> torch.Tensor:
+        """key_mask written out over a buffer prefix of `width` >= history_max + n keys: the keys past
+        this block's own prefix are hidden (None stands for every key of that prefix)."""
+        batch, n = self.valid.shape
+        own = self.history_max + n
+        mask = self.key_mask if self.key_mask is not None else self.valid.new_ones(batch, 1, n, own)
+        return F.pad(mask, (0, width - own), value=False)
+
+
+def joint_key_mask(commit: DecodeBlock, step: DecodeBlock) -> torch.Tensor:
+    """[B, 1, nc + ns, step.history_max + ns]: a fused forward's commit and step queries as one attention
+    call over the buffer both have written (the commit's keys first, then the step's, which overwrite
+    the commit's padding slots). Each query sees exactly the keys it sees in a call of its own: the step
+    reads the history with the commit in it, and no commit query reaches the step's keys (they sit at or
+    past history + commit count, outside every commit query's mask but its own padding slot, whose output
+    nothing reads)."""
+    width = step.history_max + step.valid.shape[1]
+    return torch.cat([commit.key_mask_over(width), step.key_mask_over(width)], dim=2)
+
 
 @dataclass
 class LayerCache:

@@ -25,7 +25,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from cloverlm.errors import CloverError, check_token_ids
 from cloverlm.model.attention import CloverAttention
-from cloverlm.model.cache import CloverCache, DecodeBlock, LayerCache
+from cloverlm.model.cache import CloverCache, DecodeBlock, LayerCache, joint_key_mask
 from cloverlm.model.config import MEMORY, CloverConfig
 from cloverlm.model.layers import CloverExperts, CloverMLP, CloverRMSNorm, CloverSparseMoeBlock
 from cloverlm.model.layout import BlockLayout, NoisyBlocks, validate_block_sizes
@@ -74,12 +74,21 @@ class CloverDecoderLayer(nn.Module):
         h, aux = self._feed_forward(torch.cat([h_noisy + mix_noisy, h_clean + mix_clean], dim=1))
         return h[:, :length], h[:, length:], aux
 
-    def forward_decode(self, parts: list[tuple[torch.Tensor, DecodeBlock]], cache: LayerCache, skip_commit_ffn: bool = False):
+    def forward_decode(self, parts: list[tuple[torch.Tensor, DecodeBlock]], cache: LayerCache, skip_commit_ffn: bool = False,
+                       joint_mask: torch.Tensor | None = None):
         """The fused decoding step of one layer over (h [B, n, hidden], block) parts, the block to commit
         before the block to denoise: the clean block is folded into the cache first, then the next reads
-        the updated history; one feed-forward call serves both (routing is per token). Returns the parts'
-        new hidden states (None for a commit when skip_commit_ffn: on the last layer nothing reads it)."""
-        mixed = [h + self.mixer.forward_block(self.input_layernorm(h), block, cache) for h, block in parts]
+        the updated history; one feed-forward call serves both (routing is per token). An attention layer
+        given both parts and their joint_mask (cache.joint_key_mask) runs them as one attention call.
+        Returns the parts' new hidden states (None for a commit when skip_commit_ffn: on the last layer
+        nothing reads it)."""
+        if joint_mask is not None and self.layer_type != MEMORY:
+            (h_commit, commit), (h_step, step) = parts
+            norm = self.input_layernorm
+            mixes = self.self_attn.forward_commit_step(norm(h_commit), norm(h_step), commit, step, cache, joint_mask)
+            mixed = [h + mix for (h, _), mix in zip(parts, mixes)]
+        else:
+            mixed = [h + self.mixer.forward_block(self.input_layernorm(h), block, cache) for h, block in parts]
         live = [i for i, (_, block) in enumerate(parts) if not (skip_commit_ffn and block.commit)]
         if not live:
             return [None] * len(parts)
@@ -266,8 +275,9 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
             if commit:  # the block to denoise reads the history with the committed block in it
                 history = history + valid.sum(1)
         layers = self.model.layers
+        joint_mask = joint_key_mask(parts[0][1], parts[1][1]) if len(parts) == 2 else None
         for index, (layer, layer_cache) in enumerate(zip(layers, cache.layers)):
-            hidden = layer.forward_decode(parts, layer_cache, skip_commit_ffn=index == len(layers) - 1)
+            hidden = layer.forward_decode(parts, layer_cache, index == len(layers) - 1, joint_mask)
             parts = [(h, block) for h, (_, block) in zip(hidden, parts)]
         cache.lengths = history
         if step_ids is None:
