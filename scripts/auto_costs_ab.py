@@ -1,8 +1,8 @@
-"""block_size=auto with its step costs timed again and grown with the row's history (training.calibrate.recost:
-ms_per_1k_context) against the folder's calibration as saved (same heads), and B=32 / B=64: held-out no_fly
-prompts under the grounded schema, one request at a time, every setting in turn per prompt (models/README.md).
+"""block_size=auto under two calibrations of the same model (the shipped folder's and another folder's, e.g.
+a copy holding the calibration before a refit) against B=16 / 32 / 64: held-out no_fly prompts under the
+grounded schema, one request at a time, every setting in turn per prompt (models/README.md). Run it alone.
 
-    .venv/bin/python scripts/auto_costs_ab.py 20
+    .venv/bin/python scripts/auto_costs_ab.py 20 /tmp/clover-oldcal
 """
 
 import json
@@ -24,7 +24,6 @@ from cloverlm.evaluation.heldout import heldout_examples
 from cloverlm.model.checkpoint import inference_dtype
 from cloverlm.tasks import get_task
 from cloverlm.tokenizer import stop_token_ids
-from cloverlm.training.calibrate import recost
 
 FOLDER, TASK = "models/smollm2-clover", "no_fly_zones"
 
@@ -33,12 +32,10 @@ def main() -> None:
     torch.set_num_threads(2)
     model, tokenizer = load_model(FOLDER, inference_dtype("cpu")), load_folder_tokenizer(FOLDER)
     saved = load_calibration(FOLDER)
-    timed = recost(model, saved)
-    print(json.dumps({"forward_context": timed.forward_context, "forward_ms": timed.forward_ms,
-                      "ms_per_1k_context": timed.ms_per_1k_context, "saved_forward_ms": saved.forward_ms}), flush=True)  # fmt: skip
+    other = load_calibration(sys.argv[2])
     options = BenchOptions()
     grammars = Grammars(tokenizer, model.config.vocab_size, stop_token_ids(tokenizer))
-    settings = {"B32": (32, saved), "B64": (64, saved), "auto_saved": ("auto", saved), "auto_history": ("auto", timed)}
+    settings = {"B16": (16, saved), "B32": (32, saved), "B64": (64, saved), "auto_other": ("auto", other), "auto_shipped": ("auto", saved)}
     totals = {name: {"tokens": 0, "forwards": 0, "seconds": [], "scores": [], "sizes": Counter()} for name in settings}
     for example in heldout_examples(tokenizer, TASK, int(sys.argv[1]), 1 << 30):
         grammar = answer_grammar(grammars, get_task(TASK), example.example, options.answers)

@@ -51,9 +51,9 @@ README_START, README_END = "<!-- campaign:start -->", "<!-- campaign:end -->"
 # models/: a line per evaluated call of every run, so that the README keeps what each session measured and
 # promoted (the run folders under runs/ are not kept by a new checkout)
 HISTORY = "campaign_history.jsonl"
-# The block-size head's refit on promotion: the settings the shipped head was last fitted with
-# (models/README.md), a quarter of `clover calibrate`'s defaults in decoding time.
-REFIT = {"fit_prompts": 8, "eval_prompts": 4, "max_new_tokens": 96}
+# The block-size head's refit on promotion: `clover calibrate`'s fit, as the shipped head was last fitted
+# (models/README.md), judged on half its evaluation prompts (the campaign's own evaluation follows).
+REFIT = {"eval_prompts": 4}
 
 
 @dataclass
