@@ -82,13 +82,15 @@ def test_prefill_equals_block_by_block_commits(model, causal_clean):
         )
 
 
-@pytest.mark.parametrize("causal_clean", [False, True])
-def test_fused_commit_and_step_equal_separate_calls(causal_clean):
-    """A forward that commits one block and denoises the next (one attention call over the joint mask in
-    attention layers) gives the step's logits and the cache of a commit call followed by a step call:
-    rows with padded blocks of different lengths, different histories, and drafted step inputs."""
-    # attention before memory: a commit's attention output reaches later layers' history
-    model = tiny_model(layer_types=[ATTENTION, MEMORY, ATTENTION, MEMORY], causal_clean_stream=causal_clean)
+@pytest.mark.parametrize("causal_clean, mixing", [(False, "attention"), (True, "attention"), (False, "delta")])
+def test_fused_commit_and_step_equal_separate_calls(causal_clean, mixing):
+    """A forward that commits one block and denoises the next (each projection one call over both, one
+    attention call over the joint mask in attention layers) gives the step's logits and the cache of a
+    commit call followed by a step call: rows with padded blocks of different lengths, different
+    histories, and drafted step inputs."""
+    # each kind before the other: a commit's output reaches later layers' history
+    model = tiny_model(layer_types=[ATTENTION, MEMORY, ATTENTION, MEMORY], causal_clean_stream=causal_clean,
+                       memory_block_mixing=mixing)
     x0, _ = noisy_pair(40, seed=3)
     fused, separate = CloverCache.empty(model.config, batch=2), CloverCache.empty(model.config, batch=2)
     rounds = [  # (commit valid counts, step valid counts, drafted step inputs from)

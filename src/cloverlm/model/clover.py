@@ -78,14 +78,15 @@ class CloverDecoderLayer(nn.Module):
                        joint_mask: torch.Tensor | None = None):
         """The fused decoding step of one layer over (h [B, n, hidden], block) parts, the block to commit
         before the block to denoise: the clean block is folded into the cache first, then the next reads
-        the updated history; one feed-forward call serves both (routing is per token). An attention layer
-        given both parts and their joint_mask (cache.joint_key_mask) runs them as one attention call.
+        the updated history; one feed-forward call serves both (routing is per token), and the mixer's
+        forward_commit_step runs both parts with one call of each projection (attention layers: one attention
+        call over joint_mask, cache.joint_key_mask).
         Returns the parts' new hidden states (None for a commit when skip_commit_ffn: on the last layer
         nothing reads it)."""
-        if joint_mask is not None and self.layer_type != MEMORY:
+        if len(parts) == 2:
             (h_commit, commit), (h_step, step) = parts
             norm = self.input_layernorm
-            mixes = self.self_attn.forward_commit_step(norm(h_commit), norm(h_step), commit, step, cache, joint_mask)
+            mixes = self.mixer.forward_commit_step(norm(h_commit), norm(h_step), commit, step, cache, joint_mask)
             mixed = [h + mix for (h, _), mix in zip(parts, mixes)]
         else:
             mixed = [h + self.mixer.forward_block(self.input_layernorm(h), block, cache) for h, block in parts]

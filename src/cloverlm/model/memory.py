@@ -189,30 +189,54 @@ class CloverMemoryMixer(nn.Module):
     def forward_block(self, x, block: DecodeBlock, cache: LayerCache):
         """One block per row against the cache. x [B, n, h]; block.commit folds the valid positions into
         state and tail."""
+        gates = self._gates(x) if block.commit or self.delta_mixing else None  # a plain read-out needs none
+        return self._finish(x, *self._mix(self.in_proj_qkv(x), gates, block, cache))
+
+    def forward_commit_step(self, x_commit, x_step, commit: DecodeBlock, step: DecodeBlock, cache: LayerCache,
+                            joint_mask=None):
+        """forward_block on the block to commit and then on the block to denoise, with every token-wise
+        projection (qkv, gates, z, out) one call over both: at a block of 16 those calls cost their weights'
+        bytes, read once instead of twice (models/README.md). joint_mask is the attention layers' (unused)."""
+        n = x_commit.shape[1]
+        x = torch.cat([x_commit, x_step], 1)
+        proj, (log_decay, beta) = self.in_proj_qkv(x), self._gates(x)
+        mixed = [self._mix(proj[:, part], (log_decay[:, part], beta[:, part]), block, cache)
+                 for part, block in ((slice(None, n), commit), (slice(n, None), step))]
+        o_mem = torch.cat([m[0] for m in mixed], 1)
+        o_attn = None if self.delta_mixing else torch.cat([m[1] for m in mixed], 1)
+        out = self._finish(x, o_mem, o_attn)
+        return out[:, :n], out[:, n:]
+
+    def _finish(self, x, o_mem, o_attn):
+        return self._output(x, o_mem) if self.delta_mixing else self._fuse(x, o_mem, o_attn)
+
+    def _mix(self, proj, gates, block: DecodeBlock, cache: LayerCache):
+        """The memory read-out (and, without delta mixing, the in-block attention) of one block from its
+        qkv projection and gates, against the cache; a commit updates state and conv tail."""
         valid, positions, commit = block.valid, block.positions, block.commit
         r = self.radius
         # Padding rows are zero before the conv: exactly the zeros past a block's end.
-        proj = self.in_proj_qkv(x) * valid[..., None].to(x.dtype)
+        proj = proj * valid[..., None].to(proj.dtype)
         rows = torch.cat([cache.conv_tail.to(proj.dtype), proj], dim=1)
         window = torch.cat([rows, proj.new_zeros(proj.shape[0], r, proj.shape[-1])], dim=1)
         q, k, v = self._split_heads(self._conv(window))
         if commit or self.delta_mixing:
-            log_decay, beta = self._gates(x)
+            log_decay, beta = gates
             # beta = 0 and decay 1 at padding: those positions leave the state untouched.
             log_decay, beta = log_decay.masked_fill(~valid[..., None], 0.0), beta.masked_fill(~valid[..., None], 0.0)
-            n = x.shape[1]
+            n = proj.shape[1]
             o_mem, state, _ = two_stream_gated_delta_rule(
                 q, k, v, log_decay, beta, block_sizes=[n], chunk_size=n, initial_state=cache.state
             )
             if commit:  # a denoising step under delta mixing wrote a scratch state: dropped
                 cache.state = state
             if commit and r:
-                ends = valid.sum(1)[:, None] + torch.arange(r, device=x.device)  # the last r committed rows
+                ends = valid.sum(1)[:, None] + torch.arange(r, device=proj.device)  # the last r committed rows
                 cache.conv_tail = rows.gather(1, ends[..., None].expand(-1, -1, rows.shape[-1]))
         else:
             o_mem = gated_delta_readout(q, cache.state)
         if self.delta_mixing:
-            return self._output(x, o_mem)
+            return o_mem, None
         q_r, k_r = self._rope(q, k, positions)
         temperature = self._temperature().view(1, -1, 1, 1)
         o_attn = F.scaled_dot_product_attention(
@@ -222,4 +246,4 @@ class CloverMemoryMixer(nn.Module):
             attn_mask=block.block_mask,
             scale=1.0,
         ).transpose(1, 2)
-        return self._fuse(x, o_mem, o_attn)
+        return o_mem, o_attn
