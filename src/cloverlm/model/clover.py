@@ -276,7 +276,8 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
             if commit:  # the block to denoise reads the history with the committed block in it
                 history = history + valid.sum(1)
         layers = self.model.layers
-        joint_mask = joint_key_mask(parts[0][1], parts[1][1]) if len(parts) == 2 else None
+        attends = any(kind != MEMORY for kind in self.config.layer_types)
+        joint_mask = joint_key_mask(parts[0][1], parts[1][1]) if len(parts) == 2 and attends else None
         for index, (layer, layer_cache) in enumerate(zip(layers, cache.layers)):
             hidden = layer.forward_decode(parts, layer_cache, index == len(layers) - 1, joint_mask)
             parts = [(h, block) for h, (_, block) in zip(hidden, parts)]
