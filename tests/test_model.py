@@ -84,10 +84,10 @@ def test_prefill_equals_block_by_block_commits(model, causal_clean):
 
 @pytest.mark.parametrize("causal_clean, mixing", [(False, "attention"), (True, "attention"), (False, "delta")])
 def test_fused_commit_and_step_equal_separate_calls(causal_clean, mixing):
-    """A forward that commits one block and denoises the next (each projection one call over both, one
-    attention call over the joint mask in attention layers) gives the step's logits and the cache of a
-    commit call followed by a step call: rows with padded blocks of different lengths, different
-    histories, and drafted step inputs."""
+    """Invariant 3 (docs/design.md): a forward that commits one block and denoises the next (each
+    projection one call over both, one attention call over the joint mask in attention layers) gives the
+    step's logits and the cache of a commit call followed by a step call: rows with padded blocks of
+    different lengths, different histories, and drafted step inputs."""
     # each kind before the other: a commit's output reaches later layers' history
     model = tiny_model(layer_types=[ATTENTION, MEMORY, ATTENTION, MEMORY], causal_clean_stream=causal_clean,
                        memory_block_mixing=mixing)
