@@ -26,7 +26,7 @@ from transformers.modeling_outputs import ModelOutput
 from cloverlm.errors import CloverError, check_token_ids
 from cloverlm.model.attention import CloverAttention
 from cloverlm.model.cache import CloverCache, DecodeBlock, LayerCache, joint_key_mask
-from cloverlm.model.config import MEMORY, CloverConfig
+from cloverlm.model.config import ATTENTION, MEMORY, CloverConfig
 from cloverlm.model.layers import CloverExperts, CloverMLP, CloverRMSNorm, CloverSparseMoeBlock
 from cloverlm.model.layout import BlockLayout, NoisyBlocks, validate_block_sizes
 from cloverlm.model.memory import CloverMemoryMixer
@@ -276,8 +276,8 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
             if commit:  # the block to denoise reads the history with the committed block in it
                 history = history + valid.sum(1)
         layers = self.model.layers
-        attends = any(kind != MEMORY for kind in self.config.layer_types)
-        joint_mask = joint_key_mask(parts[0][1], parts[1][1]) if len(parts) == 2 and attends else None
+        joint = len(parts) == 2 and ATTENTION in self.config.layer_types
+        joint_mask = joint_key_mask(parts[0][1], parts[1][1]) if joint else None
         for index, (layer, layer_cache) in enumerate(zip(layers, cache.layers)):
             hidden = layer.forward_decode(parts, layer_cache, index == len(layers) - 1, joint_mask)
             parts = [(h, block) for h, (_, block) in zip(hidden, parts)]
