@@ -16,15 +16,18 @@ from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import save_model
 from cloverlm.model.config import ATTENTION, MEMORY
 from cloverlm.training.graft.select import (
+    EVAL_FILE,
     PLOT_FILE,
     REPORT_FILE,
     SelectConfig,
     build_probes,
     combined_score,
+    evaluate_students,
     mean_kl,
     next_token_logits,
     rank,
     select_layers,
+    share_of,
 )
 from test_graft import converted_llama, ids
 
@@ -165,6 +168,36 @@ def test_selection_is_deterministic_for_a_seed_and_follows_keep(folders, report,
     assert other["chosen"] == [1] and other["baseline"]["kl"] != report["baseline"]["kl"]  # other data, same answer
 
 
+def test_evaluation_gives_each_students_kl_and_its_recall_beside_the_teachers(folders, report, tmp_path):
+    """The student's scores are the selection's baseline on the same probes; the student with layer 1 restored
+    is the teacher in all but weights nothing reads: KL 0, the teacher's recall."""
+    teacher, student = folders
+    restored = tmp_path / "restored"
+    save_model(restore_attention(load_model(student), load_model(teacher), [1]), base_tokenizer(), restored)
+    cfg = SelectConfig(teacher=str(teacher), out=str(tmp_path / "eval"), **SMALL)
+    out = evaluate_students(cfg, [str(student), str(restored)], progress=False)
+    written = json.loads((tmp_path / "eval" / EVAL_FILE).read_text())
+    assert written["students"] == out["students"] and "keep" not in written["config"]
+    graft, back = out["students"]
+    assert out["teacher_scores"] == report["teacher_scores"]
+    assert {k: graft[k] for k in report["baseline"]} == report["baseline"]
+    assert graft["memory_layers"] == GRAFTED and back["memory_layers"] == [0, 2]
+    teacher_scores = out["teacher_scores"]
+    assert back["kl"] == pytest.approx(0.0, abs=1e-5) and back["recall"] == teacher_scores["recall"]
+    for key in ("kv", "needle", "recall"):  # a share of the teacher's, none where the teacher recalls nothing
+        assert graft[f"{key}_of_teacher"] == (graft[key] / teacher_scores[key] if teacher_scores[key] else None)
+        assert back[f"{key}_of_teacher"] == (1.0 if teacher_scores[key] else None)
+    assert share_of(0.45, 0.9) == 0.5 and share_of(None, 0.9) is None and share_of(0.2, 0.0) is None
+    with pytest.raises(CloverError, match="not a graft of the teacher"):
+        evaluate_students(cfg, [str(_shallower(tmp_path))], progress=False)
+
+
+def _shallower(root):
+    folder = root / "shallower"
+    save_model(converted_llama(vocab_size=len(base_tokenizer()), layers=3), base_tokenizer(), folder)
+    return folder
+
+
 def test_probes_are_a_function_of_the_seed(tokenizer):
     cfg = SelectConfig(**SMALL)
     first, second = build_probes(tokenizer, cfg), build_probes(tokenizer, cfg)
@@ -209,3 +242,13 @@ def test_clover_graft_select(folders, tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(args + bad)
         assert message in capsys.readouterr().err
+
+
+def test_clover_graft_eval(folders, tmp_path, capsys):
+    teacher, student = folders
+    main(["graft-eval", "--teacher", str(teacher), "--students", str(student), str(teacher), "--out", str(tmp_path / "e"),
+          "--tokens", "64", "--seq-len", "32", "--kv-prompts", "1", "--needle-context", "none", "--fp32"])  # fmt: skip
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    graft, itself = summary["students"]
+    assert graft["kl"] > 1e-3 and itself["kl"] == pytest.approx(0.0, abs=1e-5) and itself["recall"] == summary["teacher"]["recall"]
+    assert graft["needle"] is None and summary["report"] == str(tmp_path / "e" / EVAL_FILE)

@@ -152,6 +152,20 @@ def test_a_student_that_is_not_a_graft_of_the_teacher_is_refused(folders, tmp_pa
         GraftStage1(config(folders, tmp_path / "odd", seq_len=66))
 
 
+def test_a_subset_of_layers_trains_alone(folders, tmp_path):
+    """--layers: only the chosen grafted mixers move and log; the other grafted mixers stay as they came."""
+    out, _ = run_stage(GraftStage1, config(folders, tmp_path / "one", max_steps=3, layers=[1]))
+    steps = [r for r in logged(out) if "event" not in r]
+    assert all(set(r["layer_loss"]) == {"1"} and r["loss"] == r["layer_loss"]["1"] for r in steps)
+    grafted = load_file(str(folders[1] / "model.safetensors"))
+    result = load_file(str(out / "student" / "model.safetensors"))
+    moved = {int(k.split(".")[2]) for k, v in grafted.items() if not torch.equal(result[k], v)}
+    assert moved == {1}
+    for layers, message in (([3], r"layers \[3\] are not memory layers .* \(those are 0,1,2\)"), ([], "no layers to train")):
+        with pytest.raises(CloverError, match=message):
+            GraftStage1(config(folders, tmp_path / "bad", layers=layers))
+
+
 def test_clover_train_recipe_graft_stage1(folders, tmp_path, capsys):
     teacher, student = folders
     args = ["train", "--recipe", "graft-stage1", "--teacher", str(teacher), "--student", str(student),
@@ -163,6 +177,9 @@ def test_clover_train_recipe_graft_stage1(folders, tmp_path, capsys):
     assert load_model(tmp_path / "cli" / "student").config.layer_types[:3] == [MEMORY] * 3
     main(args + ["--max-steps", "3", "--resume"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 3
+    two = [str(tmp_path / "two") if a == str(tmp_path / "cli") else a for a in args]
+    main(two + ["--max-steps", "1", "--layers", "0,2"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["layers"] == [0, 2]
     with pytest.raises(SystemExit):
         main(args[:5] + ["--out", str(tmp_path / "none")])  # no --student
     assert "needs --teacher DIR and --student DIR" in capsys.readouterr().err

@@ -1,7 +1,7 @@
-"""The `clover` command line: info, tokenizer, convert, train, graft-select, generate, eval, calibrate, bench, demo, serve.
+"""The `clover` command line: info, tokenizer, convert, train, graft-select, graft-eval, generate, eval, calibrate, bench, demo, serve.
 
 This module holds the argument parser and main; the commands are make.py (info, tokenizer, train,
-convert, graft-select) and use.py (the commands that run a model folder). They import their machinery inside the
+convert, graft-select, graft-eval) and use.py (the commands that run a model folder). They import their machinery inside the
 command functions, so that `clover --help` does not load it. A default another module owns is read
 from it (DecodeParams, ServerConfig, BenchOptions, calibrate, the packaged bases), not written again here."""
 
@@ -11,7 +11,15 @@ import argparse
 import sys
 
 from cloverlm.bench.options import BenchOptions
-from cloverlm.cli.make import cmd_campaign, cmd_convert, cmd_graft_select, cmd_info, cmd_tokenizer, cmd_train
+from cloverlm.cli.make import (
+    cmd_campaign,
+    cmd_convert,
+    cmd_graft_eval,
+    cmd_graft_select,
+    cmd_info,
+    cmd_tokenizer,
+    cmd_train,
+)
 from cloverlm.cli.use import (
     DEFAULT_MODEL,
     DEFAULT_PEER,
@@ -32,7 +40,7 @@ from cloverlm.serving.schemas import ServerConfig
 from cloverlm.tasks import HELD_OUT, SUITE
 from cloverlm.training import calibrate
 from cloverlm.training.conversion import campaign
-from cloverlm.training.graft.select import REPORT_FILE, SelectConfig
+from cloverlm.training.graft.select import SelectConfig
 from cloverlm.training.scratch.data import DEFAULT_VOCAB_SIZE
 from cloverlm.training.scratch.recipe import TrainConfig
 
@@ -124,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--teacher", help="the all-attention model the student was grafted from (a Clover or adapter folder)")
     g.add_argument("--student", help="the graft (clover convert --graft memory); on --resume the checkpoint is used")
     g.add_argument("--data-weight", type=float, help="graft-stage2: the text's own cross-entropy beside the KL (default 0)")
+    g.add_argument("--layers", help="comma-separated grafted layers that train (default: every memory layer in place of "
+                                    "a teacher's attention), e.g. the layers grafted after stage 1 trained the others")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("campaign", help="train the shipped pair further, evaluate, promote what beats it (resumable)")
@@ -139,25 +149,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     select = SelectConfig()
+
+    def probe_arguments(p):
+        """The probes and the machine of graft-select and graft-eval (training/graft/select.py)."""
+        p.add_argument("--teacher", required=True, help="the all-attention model the student was grafted from")
+        p.add_argument("--out", required=True, help="folder for the report")
+        p.add_argument("--tokens", type=int, default=select.tokens, help=f"held-out tokens of the KL (default: {select.tokens})")
+        p.add_argument("--seq-len", type=int, default=select.seq_len, help=f"tokens per KL row (default: {select.seq_len})")
+        p.add_argument("--kv-prompts", type=int, default=select.kv_prompts, help=f"kv_retrieval prompts (default: {select.kv_prompts})")
+        p.add_argument("--needle-context", default=",".join(map(str, select.needle_contexts)),
+                       help="comma-separated haystack lengths in tokens (default: %(default)s; 'none': no needle)")
+        p.add_argument("--needle-depths", default=",".join(map(str, select.needle_depths)),
+                       help="comma-separated depths of the needle, 0 to 1 (default: %(default)s)")
+        p.add_argument("--seed", type=int, default=select.seed)
+        p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=select.device)
+        p.add_argument("--fp32", action="store_true", help="no bf16 (default: bf16 where the hardware multiplies it)")
+        p.add_argument("--threads", type=int)
+
     p = sub.add_parser("graft-select", help="which layers of a graft stay attention: each restored in turn, scored on KL and recall")
-    p.add_argument("--teacher", required=True, help="the all-attention model the student was grafted from")
+    probe_arguments(p)
     p.add_argument("--student", required=True, help="the graft after stage 1 (all or mostly memory layers)")
-    p.add_argument("--out", required=True, help=f"folder for the report ({REPORT_FILE}) and the plot of the scores")
     p.add_argument("--keep", type=int, default=select.keep, help=f"candidates kept as attention (default: {select.keep})")
-    p.add_argument("--tokens", type=int, default=select.tokens, help=f"held-out tokens of the KL (default: {select.tokens})")
-    p.add_argument("--seq-len", type=int, default=select.seq_len, help=f"tokens per KL row (default: {select.seq_len})")
-    p.add_argument("--kv-prompts", type=int, default=select.kv_prompts, help=f"kv_retrieval prompts (default: {select.kv_prompts})")
-    p.add_argument("--needle-context", default=",".join(map(str, select.needle_contexts)),
-                   help="comma-separated haystack lengths in tokens (default: %(default)s; 'none': no needle)")
-    p.add_argument("--needle-depths", default=",".join(map(str, select.needle_depths)),
-                   help="comma-separated depths of the needle, 0 to 1 (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=select.seed)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=select.device)
-    p.add_argument("--fp32", action="store_true", help="no bf16 (default: bf16 where the hardware multiplies it)")
     p.add_argument("--save-hybrid", action="store_true",
                    help="also write OUT/hybrid: the student with the chosen layers restored, its trained memory layers kept")
-    p.add_argument("--threads", type=int)
     p.set_defaults(func=cmd_graft_select)
+
+    p = sub.add_parser("graft-eval", help="grafted students' held-out KL against their teacher, and their recall beside its")
+    probe_arguments(p)
+    p.add_argument("--students", nargs="+", required=True, help="graft folders of --teacher (e.g. all-memory and hybrid)")
+    p.set_defaults(func=cmd_graft_eval)
 
     p = sub.add_parser("calibrate", help="fit the block-size head (block_size='auto') on held-out prompts")
     p.add_argument("--model", help=f"model folder (default: {DEFAULT_MODEL}); the calibration is saved into it")

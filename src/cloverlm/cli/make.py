@@ -153,6 +153,8 @@ def _train_graft(args) -> None:
             fields[name] = value
     if args.fp32:
         fields["bf16"] = False
+    if args.layers is not None:
+        fields["layers"] = list(_numbers(args.layers, int, "--layers"))
     print(json.dumps(stage(config(**fields), resume=args.resume).run()))
 
 
@@ -238,25 +240,42 @@ def _numbers(text: str, kind, option: str) -> tuple:
         raise CloverError(f"{option} expects comma-separated numbers, got '{text}'") from None
 
 
-def cmd_graft_select(args) -> None:
-    """Which candidate layers of a graft stay attention (training/graft/select.py); prints the summary."""
+def _select_config(args, **fields):
+    """graft-select's and graft-eval's SelectConfig from their shared options (cli probe_arguments)."""
     import torch
 
-    from cloverlm.training.graft.select import REPORT_FILE, SelectConfig, select_layers
+    from cloverlm.training.graft.select import SelectConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
     depths = _numbers(args.needle_depths, float, "--needle-depths")
     if any(not 0 <= d <= 1 for d in depths):
         raise CloverError(f"--needle-depths must lie between 0 and 1, got {args.needle_depths}")
-    cfg = SelectConfig(
-        teacher=args.teacher, student=args.student, out=args.out, keep=args.keep, seed=args.seed, tokens=args.tokens,
-        seq_len=args.seq_len, kv_prompts=args.kv_prompts, needle_contexts=_numbers(args.needle_context, int, "--needle-context"),
-        needle_depths=depths, device=args.device, bf16=False if args.fp32 else None, save_hybrid=args.save_hybrid,
+    return SelectConfig(
+        teacher=args.teacher, out=args.out, seed=args.seed, tokens=args.tokens, seq_len=args.seq_len, kv_prompts=args.kv_prompts,
+        needle_contexts=_numbers(args.needle_context, int, "--needle-context"), needle_depths=depths, device=args.device,
+        bf16=False if args.fp32 else None, **fields,
     )  # fmt: skip
+
+
+def cmd_graft_select(args) -> None:
+    """Which candidate layers of a graft stay attention (training/graft/select.py); prints the summary."""
+    from cloverlm.training.graft.select import REPORT_FILE, select_layers
+
+    cfg = _select_config(args, student=args.student, keep=args.keep, save_hybrid=args.save_hybrid)
     report = select_layers(cfg)
     print(json.dumps({"chosen": report["chosen"], "attention_layers": report["attention_layers"],
                       "memory_layers": report["memory_layers_arg"], "report": str(Path(args.out) / REPORT_FILE),
                       "hybrid": report.get("hybrid"),
                       "convert": f"clover convert --graft memory --source {args.teacher} --memory-layers "
                                  f"{report['memory_layers_arg']} --out OUT"}))  # fmt: skip
+
+
+def cmd_graft_eval(args) -> None:
+    """Grafted students' KL and recall against their teacher (training/graft/select.py); prints the table."""
+    from cloverlm.training.graft.select import EVAL_FILE, evaluate_students
+
+    report = evaluate_students(_select_config(args), args.students)
+    keys = ("kl", "kv", "needle", "recall", "recall_of_teacher")
+    print(json.dumps({"teacher": report["teacher_scores"], "report": str(Path(args.out) / EVAL_FILE),
+                      "students": [{"student": r["student"], **{k: r[k] for k in keys}} for r in report["students"]]}))

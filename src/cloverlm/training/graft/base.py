@@ -60,6 +60,9 @@ class GraftStageConfig:
     checkpoint_minutes: float = 10.0
     device: str = "cpu"
     bf16: bool | None = None  # the teacher's dtype and the student's autocast; None: where the hardware multiplies it
+    # the grafted layers that train; None: all of them. A subset fits layers grafted after the others were
+    # trained (e.g. the rest of an all-memory student) without spending steps on the trained ones again.
+    layers: list[int] | None = None
 
 
 def grafted_layers(teacher, student) -> list[int]:
@@ -74,6 +77,20 @@ def grafted_layers(teacher, student) -> list[int]:
             "the student has no memory layer in place of a teacher's attention layer: nothing to train"
         )
     return layers
+
+
+def trained_layers(teacher, student, chosen: list[int] | None) -> list[int]:
+    """The layers a stage trains: `chosen` (checked to be grafted layers), or every grafted layer."""
+    grafted = grafted_layers(teacher, student)
+    if chosen is None:
+        return grafted
+    wrong = sorted(set(chosen) - set(grafted))
+    if not chosen:
+        raise CloverError("no layers to train: give at least one grafted layer, or none of the option for all")
+    if wrong:
+        raise CloverError(f"layers {wrong} are not memory layers of the student in place of the teacher's attention "
+                          f"(those are {','.join(map(str, grafted))})")  # fmt: skip
+    return sorted(set(chosen))
 
 
 def logged_by_step(log_path: Path, key: str) -> dict:
@@ -143,7 +160,7 @@ class GraftLoop(Loop):
         self.student = (
             load_model(self.resumed or cfg.student, torch.float32).to(self.device).requires_grad_(False)
         )
-        self.layers = grafted_layers(self.teacher, self.student)
+        self.layers = trained_layers(self.teacher, self.student, cfg.layers)
         self.model = nn.ModuleDict({str(i): self.student.model.layers[i].linear_attn for i in self.layers})
         self.model.requires_grad_(True)
         self.start()

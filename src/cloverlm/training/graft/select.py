@@ -1,4 +1,5 @@
-"""Which layers of a graft stay attention (issue 30, item 3): `clover graft-select`.
+"""Which layers of a graft stay attention (issue 30, item 3): `clover graft-select`; and how close a graft
+has come to its teacher on the same measures (`clover graft-eval`, `evaluate_students`).
 
 Rather than keeping every fourth layer, each candidate is scored the way "Distilling to Hybrid Attention
 Models via KL-Guided Layer Selection" does: restore one layer at a time to the teacher's attention
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from cloverlm import tasks
-from cloverlm.convert.graft import restore_attention
+from cloverlm.convert.graft import check_graft_of, restore_attention
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.errors import CloverError
 from cloverlm.evaluation.chat import read_chat
@@ -54,6 +55,7 @@ from cloverlm.training.conversion.data import ConversionData
 from cloverlm.training.conversion.trainer import device_label, resolve_device
 
 REPORT_FILE = "graft_select.json"
+EVAL_FILE = "graft_eval.json"
 PLOT_FILE = "graft_select.png"
 HYBRID_DIR = "hybrid"
 RULE = "score = (kl_base - kl) / kl_base + (recall - recall_base) / (recall_teacher - recall_base); recall = mean(kv, needle)"
@@ -212,55 +214,100 @@ def rank(candidates: list[dict]) -> list[int]:
     return [c["layer"] for c in sorted(candidates, key=lambda c: (-c["score"], c["layer"]))]
 
 
+class Judge:
+    """The teacher and the fixed probes of a config, and how a model measures against them: what
+    `select_layers` and `evaluate_students` share."""
+
+    def __init__(self, cfg: SelectConfig):
+        self.device = resolve_device(cfg.device)
+        self.dtype = torch.bfloat16 if (multiplies_bf16(self.device) if cfg.bf16 is None else cfg.bf16) else torch.float32
+        self.teacher = load_model(cfg.teacher, self.dtype).to(self.device)
+        self.tokenizer = load_folder_tokenizer(cfg.teacher)
+        self.probes = build_probes(self.tokenizer, cfg)
+        with torch.no_grad():
+            self.teacher_hidden = [self.teacher(ids[None].to(self.device)).hidden_states[0] for ids in self.probes.text]
+
+    def load(self, folder: str):
+        return load_model(folder, self.dtype).to(self.device)
+
+    def measure(self, model) -> dict:
+        kl = mean_kl(model, self.teacher, self.teacher_hidden, self.probes.text)
+        if not math.isfinite(kl):  # a NaN would rank anywhere: say so instead
+            raise CloverError(f"the student's KL against the teacher is {kl}: its logits are not finite")
+        return {"kl": kl, **recall_scores(model, self.probes)}
+
+    def about(self) -> dict:
+        """What a report says of its data and machine."""
+        probes = self.probes
+        return {"data": {"kl_tokens": probes.text.numel(), "kv_tokens": sum(len(p.targets) for p in probes.kv),
+                         "needles": [{"context": p.context, "tokens": len(p.ids), "scored": len(p.targets)} for p in probes.needle]},
+                "device": device_label(self.device), "dtype": str(self.dtype).removeprefix("torch.")}  # fmt: skip
+
+
+def evaluate_students(cfg: SelectConfig, students: list[str], progress: bool = True) -> dict:
+    """Each student's held-out KL against cfg.teacher and its recall beside the teacher's, on the probes of
+    a selection (`clover graft-eval`): how far stage 1 or 2 has brought the all-memory and hybrid students.
+    Writes cfg.out/EVAL_FILE; returns the report."""
+    start = time.time()
+    judge = Judge(cfg)
+    teacher = recall_scores(judge.teacher, judge.probes)
+    rows = []
+    for folder in tqdm(students, desc="students", disable=not progress, dynamic_ncols=True):
+        student = judge.load(folder)
+        check_graft_of(judge.teacher, student)
+        scores = judge.measure(student)
+        kinds = student.config.layer_types
+        rows.append({"student": folder, "memory_layers": [i for i, kind in enumerate(kinds) if kind == MEMORY], **scores,
+                     **{f"{key}_of_teacher": share_of(scores[key], teacher[key]) for key in ("kv", "needle", "recall")}})  # fmt: skip
+    probes_config = {k: v for k, v in asdict(cfg).items() if k not in ("student", "keep", "save_hybrid")}
+    report = {"teacher": cfg.teacher, "config": probes_config, "teacher_scores": teacher, "students": rows,
+              **judge.about(), "seconds": round(time.time() - start, 1)}  # fmt: skip
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / EVAL_FILE).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def share_of(value: float | None, teacher: float | None) -> float | None:
+    """value / teacher: a recall as a share of the teacher's (None where either is missing or the teacher's is 0)."""
+    return None if value is None or not teacher else value / teacher
+
+
 def select_layers(cfg: SelectConfig, progress: bool = True) -> dict:
     """Score every candidate, choose `keep`, write the report and the plot into cfg.out; returns the report."""
     from cloverlm.training.graft.base import grafted_layers
 
     start = time.time()
-    device = resolve_device(cfg.device)
-    dtype = torch.bfloat16 if (multiplies_bf16(device) if cfg.bf16 is None else cfg.bf16) else torch.float32
-    teacher = load_model(cfg.teacher, dtype).to(device)
-    student = load_model(cfg.student, dtype).to(device)
-    candidates_layers = grafted_layers(teacher, student)
+    judge = Judge(cfg)
+    student = judge.load(cfg.student)
+    candidates_layers = grafted_layers(judge.teacher, student)
     if not 1 <= cfg.keep <= len(candidates_layers):
         raise CloverError(f"--keep must be between 1 and the {len(candidates_layers)} candidate layers, got {cfg.keep}")
-    tokenizer = load_folder_tokenizer(cfg.teacher)
-    probes = build_probes(tokenizer, cfg)
-    with torch.no_grad():
-        teacher_hidden = [teacher(ids[None].to(device)).hidden_states[0] for ids in probes.text]
-
-    def measure(model) -> dict:
-        kl = mean_kl(model, teacher, teacher_hidden, probes.text)
-        if not math.isfinite(kl):  # a NaN would rank anywhere: say so instead
-            raise CloverError(f"the student's KL against the teacher is {kl}: its logits are not finite")
-        return {"kl": kl, **recall_scores(model, probes)}
-
-    teacher_scores = recall_scores(teacher, probes)
-    baseline = measure(student)
+    teacher_scores = recall_scores(judge.teacher, judge.probes)
+    baseline = judge.measure(student)
     candidates = []
     for layer in tqdm(candidates_layers, desc="candidates", disable=not progress, dynamic_ncols=True):
-        scores = measure(restore_attention(student, teacher, [layer]))
+        scores = judge.measure(restore_attention(student, judge.teacher, [layer]))
         candidates.append({"layer": layer, **scores, **combined_score(scores, baseline, teacher_scores)})
     order = rank(candidates)
     chosen = sorted(order[: cfg.keep])
     for candidate in candidates:
         candidate["rank"] = order.index(candidate["layer"]) + 1
     memory = [i for i in candidates_layers if i not in chosen]
+    about = judge.about()
     report = {
-        "teacher": cfg.teacher, "student": cfg.student, "config": asdict(cfg), "rule": RULE,
-        "data": {"kl_tokens": probes.text.numel(), "kv_tokens": sum(len(p.targets) for p in probes.kv),
-                 "needles": [{"context": p.context, "tokens": len(p.ids), "scored": len(p.targets)} for p in probes.needle]},
+        "teacher": cfg.teacher, "student": cfg.student, "config": asdict(cfg), "rule": RULE, "data": about.pop("data"),
         "teacher_scores": teacher_scores, "baseline": baseline, "candidates": candidates, "chosen": chosen,
         "attention_layers": [i for i, kind in enumerate(student.config.layer_types) if kind != MEMORY or i in chosen],
         "memory_layers": memory, "memory_layers_arg": ",".join(map(str, memory)),
-        "selected": measure(restore_attention(student, teacher, chosen)),  # the chosen layers restored together
-        "device": device_label(device), "dtype": str(dtype).removeprefix("torch."), "seconds": round(time.time() - start, 1),
+        "selected": judge.measure(restore_attention(student, judge.teacher, chosen)),  # the chosen layers restored together
+        **about, "seconds": round(time.time() - start, 1),
     }  # fmt: skip
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.save_hybrid:  # stage 1's trained mixers kept, unlike a fresh graft of the teacher; in fp32 for stage 2
         hybrid = restore_attention(load_model(cfg.student), load_model(cfg.teacher), chosen)
-        atomic_write_dir(out / HYBRID_DIR, lambda folder: save_model(hybrid, tokenizer, folder))
+        atomic_write_dir(out / HYBRID_DIR, lambda folder: save_model(hybrid, judge.tokenizer, folder))
         report["hybrid"] = str(out / HYBRID_DIR)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
     plot_scores(report, out / PLOT_FILE)
