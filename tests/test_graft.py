@@ -171,10 +171,16 @@ def test_a_silent_attention_grafts_to_finite_weights():
 def test_clover_convert_graft_writes_a_loadable_hybrid(tokenizer, tmp_path, capsys):
     save_model(converted_llama(vocab_size=len(tokenizer), layers=4), tokenizer, tmp_path / "source")
     main(["convert", "--graft", "memory", "--source", str(tmp_path / "source"), "--out", str(tmp_path / "hybrid")])
-    assert "3 memory layers, attention kept at [3]" in capsys.readouterr().out
+    assert "3 new memory layers, attention kept at [3]" in capsys.readouterr().out
     assert load_model(tmp_path / "hybrid").config.layer_types == [MEMORY] * 3 + [ATTENTION]
     main(["convert", "--graft", "memory", "--source", str(tmp_path / "source"), "--memory-layers", "1,3", "--out", str(tmp_path / "two")])
     assert load_model(tmp_path / "two").config.layer_types == [ATTENTION, MEMORY, ATTENTION, MEMORY]
+    capsys.readouterr()
+    main(["convert", "--graft", "memory", "--source", str(tmp_path / "two"), "--memory-layers", "0", "--out", str(tmp_path / "more")])
+    assert "1 new memory layers, attention kept at [2]" in capsys.readouterr().out  # a graft of a graft
+    more, two = load_model(tmp_path / "more"), load_model(tmp_path / "two")
+    assert more.config.layer_types == [MEMORY, MEMORY, ATTENTION, MEMORY]
+    assert all(torch.equal(v, two.state_dict()[k]) for k, v in more.state_dict().items() if ".layers.0." not in k)
     with pytest.raises(SystemExit):
         main(["convert", "--graft", "memory", "--source", str(tmp_path / "source"), "--memory-layers", "1,x", "--out", str(tmp_path / "bad")])
-    assert "comma-separated integers" in capsys.readouterr().err
+    assert "--memory-layers expects comma-separated numbers" in capsys.readouterr().err

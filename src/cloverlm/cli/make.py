@@ -213,21 +213,17 @@ def _graft(args) -> None:
     from cloverlm.convert.graft import graft_with_calibration
     from cloverlm.convert.load import load_folder_tokenizer, load_model
     from cloverlm.model.checkpoint import save_model
+    from cloverlm.model.config import ATTENTION
 
     if args.source:
         model, tokenizer = load_model(Path(args.source)), load_folder_tokenizer(Path(args.source))
     else:
         model, tokenizer = converted(args.base)
-    layers = None
-    if args.memory_layers is not None:
-        try:
-            layers = [int(i) for i in args.memory_layers.split(",") if i.strip()]
-        except ValueError:
-            raise CloverError(f"--memory-layers expects comma-separated integers, got '{args.memory_layers}'") from None
+    layers = None if args.memory_layers is None else list(_numbers(args.memory_layers, int, "--memory-layers"))
     graft, layers = graft_with_calibration(model, tokenizer, layers)
     save_model(graft, tokenizer, Path(args.out))
-    kept = [i for i in range(model.config.num_hidden_layers) if i not in layers]
-    print(f"{args.source or args.base} grafted: {len(layers)} memory layers, attention kept at {kept}, "
+    kept = [i for i, kind in enumerate(graft.config.layer_types) if kind == ATTENTION]  # a graft's own source may be one
+    print(f"{args.source or args.base} grafted: {len(layers)} new memory layers, attention kept at {kept}, "
           f"{sum(p.numel() for p in graft.parameters()) / 1e6:.1f}M parameters in {args.out}")  # fmt: skip
 
 
