@@ -1,42 +1,115 @@
 #!/usr/bin/env bash
-# The memory graft's training (issue 30; src/cloverlm/training/graft/): STAGE 1 fits each grafted memory layer
-# to the teacher's attention, layer by layer (stage1.py); STAGE 2 trains the whole graft on logit KL against
-# the teacher (stage2.py), from stage 1's student. MINUTES of training, resumed from the last checkpoint when
-# there is one; the schedule spans STEPS steps in all (stage 1: 4900, 5M tokens at 2 rows of 512; stage 2:
-# 2000), so several sessions make one run. Runs in the background and returns; the log is $OUT/stage.out, the
-# curve $OUT/stage1_loss.png or $OUT/stage2_kl.png, the trained student $OUT/student. Stage 1 grafts the
-# student first if it is missing. Extra arguments go to `clover train` (e.g. --rows-per-step 4, --device cuda).
-#   scripts/graft.sh 1 120                 # two hours of stage 1 in the background
-#   FOREGROUND=1 scripts/graft.sh 2 10     # wait for it
-#   TEACHER=models/smollm2-clover STUDENT=runs/graft/hybrid OUT=runs/graft-stage1 STEPS=4900 scripts/graft.sh 1 60
+# The memory graft, from the all-attention model to a trained hybrid (issue 30; src/cloverlm/training/graft/).
+#   scripts/graft.sh 1 MINUTES [clover train options]   stage 1: every attention layer of TEACHER grafted to
+#       memory (GRAFT, made when missing), each memory layer fitted to its attention (stage1.py), in OUT
+#   scripts/graft.sh select [graft-select options]      the KEEP layers that go back to attention, scored by KL and
+#       recall (select.py), in runs/graft-select; its hybrid (stage 1's mixers kept) in runs/graft-select/hybrid
+#   scripts/graft.sh 2 MINUTES [clover train options]   stage 2: that hybrid on logit KL against TEACHER (stage2.py)
+#   scripts/graft.sh all MINUTES [graft-select options] the three in turn, each resumed where it stopped or skipped
+#       when done, within MINUTES of wall clock: the one command that builds the hybrid on a fresh clone
+# Stages 1 and 2 train MINUTES and resume from their last checkpoint; the schedule spans STAGE1_STEPS (4900: 5M
+# tokens at 2 rows of 512) or STAGE2_STEPS (2000) steps, so several sessions make one run. They run in the
+# background (FOREGROUND=1: wait) with the log in $OUT/stage.out, the curve in $OUT/stage1_loss.png or
+# $OUT/stage2_kl.png and the trained student in $OUT/student. Settings by environment:
+#   TEACHER=models/smollm2-clover  RUNS=runs (the root of every folder here)  GRAFT=$RUNS/graft/all-memory  KEEP=8
+#   STAGE1_STEPS=4900  STAGE2_STEPS=2000  OUT=$RUNS/graft-stage{1,2} (stages 1 and 2 alone)
+#   STUDENT=... (stage 1: GRAFT; select: stage 1's student; stage 2: the selection's hybrid)
+# Stage 1 is layer-local, so it may also train some layers at a time (--layers): models/README.md's run
+# trained the every-fourth hybrid's 23 memory layers first, then grafted and trained the other 7.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: scripts/graft.sh STAGE MINUTES [clover train options]}
-MINUTES=${2:?usage: scripts/graft.sh STAGE MINUTES [clover train options]}
-shift 2
-case "$STAGE" in
-  1) STUDENT=${STUDENT:-runs/graft/hybrid}; STEPS=${STEPS:-4900} ;;
-  2) STUDENT=${STUDENT:-runs/graft-stage1/student}; STEPS=${STEPS:-2000} ;;
-  *) echo "STAGE is 1 or 2, got $STAGE" >&2; exit 2 ;;
-esac
+USAGE="usage: scripts/graft.sh 1|2 MINUTES [clover train options] | select [graft-select options] | all MINUTES [graft-select options]"
+WHAT=${1:?$USAGE}
+shift
 TEACHER=${TEACHER:-models/smollm2-clover}
-OUT=${OUT:-runs/graft-stage$STAGE}
-mkdir -p "$OUT"
+RUNS=${RUNS:-runs}
+GRAFT=${GRAFT:-$RUNS/graft/all-memory}
+SELECTION=$RUNS/graft-select
+KEEP=${KEEP:-8}
+STAGE1_STEPS=${STAGE1_STEPS:-4900}
+STAGE2_STEPS=${STAGE2_STEPS:-2000}
 source scripts/background.sh
+
+finished() {  # OUT: true when OUT's checkpoint has taken every step of its schedule
+  .venv/bin/python - "$1/checkpoint/train_state.json" <<'EOF'
+import json, pathlib, sys
+path = pathlib.Path(sys.argv[1])
+state = json.loads(path.read_text())["state"] if path.is_file() else None
+sys.exit(0 if state and state["step"] >= state["max_steps"] else 1)
+EOF
+}
+
+stage_command() {  # STAGE MINUTES [options]: sets OUT and CMD, the `clover train` call of the stage
+  local stage=$1 minutes=$2 student steps
+  shift 2
+  OUT=${OUT_OVERRIDE:-$RUNS/graft-stage$stage}
+  if [ "$stage" = 1 ]; then
+    student=${STUDENT:-$GRAFT}; steps=$STAGE1_STEPS
+    if [ ! -f "$OUT/checkpoint/train_state.json" ] && [ ! -f "$student/model.safetensors" ]; then
+      mkdir -p "$OUT"
+      .venv/bin/clover convert --graft memory --source "$TEACHER" --memory-layers all --out "$student" 2>&1 | tee -a "$OUT/stage.out"
+    fi
+  else
+    student=${STUDENT:-$SELECTION/hybrid}; steps=$STAGE2_STEPS
+  fi
+  if [ ! -f "$student/model.safetensors" ] && [ ! -f "$OUT/checkpoint/train_state.json" ]; then
+    echo "no student at $student: run the stage before it first ($USAGE)" >&2
+    exit 2
+  fi
+  mkdir -p "$OUT"
+  local resume=()
+  if [ -f "$OUT/checkpoint/train_state.json" ] || [ -f "$OUT/checkpoint.old/train_state.json" ]; then
+    resume=(--resume)
+  fi
+  # --minutes beside --max-steps is a wall-clock limit on this call; the cosine schedule spans all the steps
+  CMD=(.venv/bin/clover train --recipe "graft-stage$stage" --teacher "$TEACHER" --student "$student" --out "$OUT"
+       --max-steps "$steps" --minutes "$minutes" --threads "$(nproc)" "${resume[@]}" "$@")
+}
+
+select_command() {  # [options]: sets CMD, the graft-select call on stage 1's student
+  local student=${STUDENT:-$RUNS/graft-stage1/student}
+  if [ ! -f "$student/model.safetensors" ]; then
+    echo "no stage-1 student at $student: run stage 1 first (scripts/graft.sh 1 MINUTES)" >&2
+    exit 2
+  fi
+  mkdir -p "$SELECTION"
+  CMD=(.venv/bin/clover graft-select --teacher "$TEACHER" --student "$student" --keep "$KEEP" --save-hybrid
+       --out "$SELECTION" --threads "$(nproc)" "$@")
+}
+
+OUT_OVERRIDE=${OUT:-}
 refuse_if_training
 make -s venv
-if [ "$STAGE" = 1 ] && [ ! -f "$STUDENT/model.safetensors" ]; then
-  .venv/bin/clover convert --graft memory --source "$TEACHER" --out "$STUDENT" 2>&1 | tee -a "$OUT/stage.out"
-fi
-if [ ! -f "$STUDENT/model.safetensors" ]; then
-  echo "no student at $STUDENT: run stage 1 first (scripts/graft.sh 1 MINUTES)" >&2
-  exit 2
-fi
-RESUME=()
-if [ -f "$OUT/checkpoint/train_state.json" ] || [ -f "$OUT/checkpoint.old/train_state.json" ]; then
-  RESUME=(--resume)
-fi
-# --minutes beside --max-steps is a wall-clock limit on this call; the cosine schedule spans all STEPS
-launch "$OUT" "$OUT/stage.out" "graft stage $STAGE" .venv/bin/clover train --recipe "graft-stage$STAGE" --teacher "$TEACHER" \
-  --student "$STUDENT" --out "$OUT" --max-steps "$STEPS" --minutes "$MINUTES" --threads "$(nproc)" "${RESUME[@]}" "$@"
-echo "$OUT/train_log.jsonl has a line a step"
+case "$WHAT" in
+  1|2)
+    MINUTES=${1:?$USAGE}
+    shift
+    stage_command "$WHAT" "$MINUTES" "$@"
+    launch "$OUT" "$OUT/stage.out" "graft stage $WHAT" "${CMD[@]}"
+    echo "$OUT/train_log.jsonl has a line a step"
+    ;;
+  select)
+    select_command "$@"
+    launch "$SELECTION" "$SELECTION/select.out" "graft layer selection" "${CMD[@]}"
+    ;;
+  all)
+    MINUTES=${1:?$USAGE}
+    shift
+    if [ -z "${FOREGROUND:-}" ]; then  # the whole chain in the background, one pid for refuse_if_training
+      mkdir -p "$RUNS/graft-all"
+      launch "$RUNS/graft-all" "$RUNS/graft-all/all.out" "the graft, stage 1 to stage 2" env FOREGROUND=1 "$0" all "$MINUTES" "$@"
+      exit 0
+    fi
+    OUT_OVERRIDE=""; unset STUDENT  # each stage's own folders
+    deadline=$(( $(date +%s) + 60 * MINUTES ))
+    left() { echo $(( (deadline - $(date +%s)) / 60 )); }
+    finished "$RUNS/graft-stage1" || { stage_command 1 "$(left)"; "${CMD[@]}"; }
+    finished "$RUNS/graft-stage1" || { echo "stage 1 goes on: run scripts/graft.sh all MINUTES again"; exit 0; }
+    [ -f "$SELECTION/hybrid/model.safetensors" ] || { select_command "$@"; "${CMD[@]}"; }
+    [ "$(left)" -ge 1 ] || { echo "time is up before stage 2: run scripts/graft.sh all MINUTES again"; exit 0; }
+    stage_command 2 "$(left)"
+    "${CMD[@]}"
+    finished "$RUNS/graft-stage2" && echo "the hybrid: $RUNS/graft-stage2/student" || echo "stage 2 goes on: run scripts/graft.sh all MINUTES again"
+    ;;
+  *) echo "$USAGE" >&2; exit 2 ;;
+esac

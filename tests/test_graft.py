@@ -181,6 +181,9 @@ def test_clover_convert_graft_writes_a_loadable_hybrid(tokenizer, tmp_path, caps
     more, two = load_model(tmp_path / "more"), load_model(tmp_path / "two")
     assert more.config.layer_types == [MEMORY, MEMORY, ATTENTION, MEMORY]
     assert all(torch.equal(v, two.state_dict()[k]) for k, v in more.state_dict().items() if ".layers.0." not in k)
+    main(["convert", "--graft", "memory", "--source", str(tmp_path / "two"), "--memory-layers", "all", "--out", str(tmp_path / "all")])
+    assert "2 new memory layers, attention kept at []" in capsys.readouterr().out
+    assert load_model(tmp_path / "all").config.layer_types == [MEMORY] * 4
     with pytest.raises(SystemExit):
         main(["convert", "--graft", "memory", "--source", str(tmp_path / "source"), "--memory-layers", "1,x", "--out", str(tmp_path / "bad")])
     assert "--memory-layers expects comma-separated numbers" in capsys.readouterr().err

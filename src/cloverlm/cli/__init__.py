@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--graft", choices=("memory",), help="memory: replace attention layers by memory layers started from them (convert/graft.py)")
     p.add_argument("--source", help="--graft: the Clover folder to graft (weights or adapter; default: --base, converted)")
-    p.add_argument("--memory-layers", help="--graft: comma-separated layer indices (default: all but every fourth)")
+    p.add_argument("--memory-layers", help="--graft: comma-separated layer indices, or all: every attention layer "
+                                           "(default: all but every fourth)")
     p.set_defaults(func=cmd_convert)
 
     select = SelectConfig()

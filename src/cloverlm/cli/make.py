@@ -219,7 +219,12 @@ def _graft(args) -> None:
         model, tokenizer = load_model(Path(args.source)), load_folder_tokenizer(Path(args.source))
     else:
         model, tokenizer = converted(args.base)
-    layers = None if args.memory_layers is None else list(_numbers(args.memory_layers, int, "--memory-layers"))
+    if args.memory_layers is None:
+        layers = None
+    elif args.memory_layers.strip().lower() == "all":  # every attention layer: the all-memory student of stage 1
+        layers = [i for i, kind in enumerate(model.config.layer_types) if kind == ATTENTION]
+    else:
+        layers = list(_numbers(args.memory_layers, int, "--memory-layers"))
     graft, layers = graft_with_calibration(model, tokenizer, layers)
     save_model(graft, tokenizer, Path(args.out))
     kept = [i for i, kind in enumerate(graft.config.layer_types) if kind == ATTENTION]  # a graft's own source may be one
