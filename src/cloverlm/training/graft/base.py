@@ -106,7 +106,9 @@ def logged_by_step(log_path: Path, key: str) -> dict:
 
 def plot_log(log_path: Path, png_path: Path, key: str, ylabel: str, title: str) -> None:
     """train_log.jsonl's `key` against the step, log scale: one line, or one a layer where the records hold
-    {layer: value} (shallow to deep: dark to light)."""
+    {layer: value} (shallow to deep: dark to light). Each step's batch is new data, so one step's value is
+    noisy: a line is the running mean over a window of 1% of the steps, and with 20 lines or more the raw
+    values are left out."""
     by_step = logged_by_step(log_path, key)
     if not by_step:
         return
@@ -116,11 +118,15 @@ def plot_log(log_path: Path, png_path: Path, key: str, ylabel: str, title: str) 
     figure = Figure(figsize=(8, 5))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
+    window = max(1, len(steps) // 100)
     for n, layer in enumerate(lines):
         values = [by_step[s] if layer is None else by_step[s][layer] for s in steps]
         colour = colormaps["viridis"](n / max(1, len(lines) - 1))
-        axes.plot(steps, values, lw=0.8, color=colour, label=None if layer is None else f"layer {layer}")
-    axes.set(yscale="log", xlabel="step", ylabel=ylabel, title=title)
+        if window > 1 and len(lines) < 20:
+            axes.plot(steps, values, lw=0.5, color=colour, alpha=0.25)
+        running = [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+        axes.plot(steps, running, lw=1.0, color=colour, label=None if layer is None else f"layer {layer}")
+    axes.set(yscale="log", xlabel="step", ylabel=f"{ylabel}, mean of {window} steps" if window > 1 else ylabel, title=title)
     if len(lines) > 1:
         axes.legend(fontsize=6, ncol=max(1, len(lines) // 12), loc="upper right")
     axes.grid(alpha=0.3)
