@@ -84,9 +84,9 @@ def trained_layers(teacher, student, chosen: list[int] | None) -> list[int]:
     grafted = grafted_layers(teacher, student)
     if chosen is None:
         return grafted
-    wrong = sorted(set(chosen) - set(grafted))
     if not chosen:
-        raise CloverError("no layers to train: give at least one grafted layer, or none of the option for all")
+        raise CloverError("no layers to train: give at least one grafted layer (leave --layers out to train them all)")
+    wrong = sorted(set(chosen) - set(grafted))
     if wrong:
         raise CloverError(f"layers {wrong} are not memory layers of the student in place of the teacher's attention "
                           f"(those are {','.join(map(str, grafted))})")  # fmt: skip

@@ -230,6 +230,10 @@ class Judge:
     def load(self, folder: str):
         return load_model(folder, self.dtype).to(self.device)
 
+    def teacher_scores(self) -> dict:
+        """The teacher's own recall: what a student's is a share of."""
+        return recall_scores(self.teacher, self.probes)
+
     def measure(self, model) -> dict:
         kl = mean_kl(model, self.teacher, self.teacher_hidden, self.probes.text)
         if not math.isfinite(kl):  # a NaN would rank anywhere: say so instead
@@ -250,7 +254,7 @@ def evaluate_students(cfg: SelectConfig, students: list[str], progress: bool = T
     Writes cfg.out/EVAL_FILE; returns the report."""
     start = time.time()
     judge = Judge(cfg)
-    teacher = recall_scores(judge.teacher, judge.probes)
+    teacher = judge.teacher_scores()
     rows = []
     for folder in tqdm(students, desc="students", disable=not progress, dynamic_ncols=True):
         student = judge.load(folder)
@@ -283,7 +287,7 @@ def select_layers(cfg: SelectConfig, progress: bool = True) -> dict:
     candidates_layers = grafted_layers(judge.teacher, student)
     if not 1 <= cfg.keep <= len(candidates_layers):
         raise CloverError(f"--keep must be between 1 and the {len(candidates_layers)} candidate layers, got {cfg.keep}")
-    teacher_scores = recall_scores(judge.teacher, judge.probes)
+    teacher_scores = judge.teacher_scores()
     baseline = judge.measure(student)
     candidates = []
     for layer in tqdm(candidates_layers, desc="candidates", disable=not progress, dynamic_ncols=True):
