@@ -16,6 +16,7 @@ from cloverlm.convert.load import load_model
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import save_model
 from cloverlm.model.config import ATTENTION, MEMORY
+from cloverlm.training.graft.base import running_mean
 from cloverlm.training.graft.stage1 import GraftStage1, Stage1Config
 from test_graft import converted_llama
 from test_training_loop import crash_at, logged
@@ -193,3 +194,9 @@ def test_clover_train_recipe_graft_stage1(folders, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(args[:5] + ["--out", str(tmp_path / "none")])  # no --student
     assert "needs --teacher DIR and --student DIR" in capsys.readouterr().err
+
+
+def test_the_curves_running_mean_averages_each_value_with_the_window_before_it():
+    assert running_mean([1.0, 2.0, 3.0, 4.0, 10.0], 3) == [1.0, 1.5, 2.0, 3.0, 17 / 3]
+    assert running_mean([5.0, 7.0], 1) == [5.0, 7.0]
+    assert running_mean([], 4) == []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -104,6 +105,12 @@ def logged_by_step(log_path: Path, key: str) -> dict:
     return by_step
 
 
+def running_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the window - 1 before it (fewer at the start), by prefix sums."""
+    sums = [0.0, *accumulate(values)]
+    return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window) for i in range(len(values))]
+
+
 def plot_log(log_path: Path, png_path: Path, key: str, ylabel: str, title: str) -> None:
     """train_log.jsonl's `key` against the step, log scale: one line, or one a layer where the records hold
     {layer: value} (shallow to deep: dark to light). Each step's batch is new data, so one step's value is
@@ -124,8 +131,7 @@ def plot_log(log_path: Path, png_path: Path, key: str, ylabel: str, title: str) 
         colour = colormaps["viridis"](n / max(1, len(lines) - 1))
         if window > 1 and len(lines) < 20:
             axes.plot(steps, values, lw=0.5, color=colour, alpha=0.25)
-        running = [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
-        axes.plot(steps, running, lw=1.0, color=colour, label=None if layer is None else f"layer {layer}")
+        axes.plot(steps, running_mean(values, window), lw=1.0, color=colour, label=None if layer is None else f"layer {layer}")
     axes.set(yscale="log", xlabel="step", ylabel=f"{ylabel}, mean of {window} steps" if window > 1 else ylabel, title=title)
     if len(lines) > 1:
         axes.legend(fontsize=6, ncol=max(1, len(lines) // 12), loc="upper right")
