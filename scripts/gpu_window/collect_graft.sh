@@ -32,6 +32,9 @@ rm -rf "$OUT/student"
 "$PY" scripts/gpu_window/run_graft.py rebuild "$TEACHER" "$OUT/mixers.safetensors" "$OUT/student"
 echo
 echo "$OUT/student: the mixers of $(cat "$OUT/student_from") (on the GPU machine); curves: $OUT/stage*/*.png. Next:"
-echo "  STUDENT=$OUT/student OUT=runs/graft-stage2 scripts/graft.sh 2 MINUTES   # stage 2 goes on here (a fresh run)"
-echo "  .venv/bin/clover graft-select --teacher $TEACHER --student $OUT/student --out $OUT/select   # which layers stay attention"
+if grep -q stage2 "$OUT/student_from"; then  # the selection ran there: its scores are in $OUT/select
+  echo "  STUDENT=$OUT/student OUT=runs/graft-stage2 scripts/graft.sh 2 MINUTES   # stage 2 goes on here (a fresh run)"
+else  # stage 1's all-memory student: the selection and stage 2 are still to do
+  echo "  STUDENT=$OUT/student scripts/graft.sh select   # which layers stay attention, then scripts/graft.sh 2 MINUTES"
+fi
 echo "  .venv/bin/clover bench --sections context_scaling --hybrid $OUT/student     # what the memory buys"

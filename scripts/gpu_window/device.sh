@@ -135,14 +135,15 @@ return_sizes
 echo "PHASE 2 DONE after $((SECONDS - T0)) s"
 }
 
-# WHAT=graft: the memory graft's two stages instead of the campaign (run_graft.py train), and what comes back
-# is the trained mixers of the last student (bf16, cut into pieces of <= 15 MiB) and graft_meta.tar.gz (each
-# stage's log, curve and state); collect_graft.sh rebuilds the student here.
+# WHAT=graft: the memory graft instead of the campaign (run_graft.py train: stage 1 on the all-memory graft, the
+# layer selection, stage 2 on its hybrid). What comes back is the trained mixers of the last student (bf16, cut
+# into pieces of <= 15 MiB) and graft_meta.tar.gz (each step's log, curve, state and the layer scores);
+# collect_graft.sh rebuilds the student here.
 graft_window() {
 GRAFT_OUT=${GRAFT_OUT:-/tmp/gpu-graft}
 TEACHER=$W/payload/models/smollm2-clover
 if [ -z "${PACK_ONLY:-}" ]; then
-  echo "graft: $MINUTES min of stages 1 and 2 on $DEVICE, killed after $LIMIT s at most"
+  echo "graft: $MINUTES min of stage 1, the selection and stage 2 on $DEVICE, killed after $LIMIT s at most"
   timeout -s INT -k 15 "$LIMIT" "$PY" scripts/gpu_window/run_graft.py train --teacher "$TEACHER" --out "$GRAFT_OUT" \
     --minutes "$MINUTES" --device "$DEVICE" ${ROWS_PER_STEP:+--rows-per-step "$ROWS_PER_STEP"} ${SEQ_LEN:+--seq-len "$SEQ_LEN"} \
     ${THREADS:+--threads "$THREADS"} ${DATA_WEIGHT:+--stage2-data-weight "$DATA_WEIGHT"} > "$W/graft.out" 2>&1
@@ -159,7 +160,7 @@ echo "bringing back the mixers of $student"
 "$PY" scripts/gpu_window/split.py split "$W/mixers.safetensors" "$BACK/mixers" --max-mib 15 --prefix mixers --dtype bf16 \
   || fail "splitting the mixers"
 rm -rf "$W/meta" && mkdir -p "$W/meta"
-for stage in stage1 stage2; do
+for stage in stage1 select stage2; do  # select: the layer scores (graft_select.json) and their plot
   [ -d "$GRAFT_OUT/$stage" ] || continue
   mkdir -p "$W/meta/$stage"
   find "$GRAFT_OUT/$stage" -maxdepth 1 -type f -exec cp {} "$W/meta/$stage/" \;

@@ -2,11 +2,12 @@
 machine lacks the server's packages). Order of use: device.sh (there) runs `train`, then `mixers`;
 collect_graft.sh (here) runs `rebuild`.
 
-  run_graft.py train --teacher T --out OUT --minutes M [--stage1-share 0.4] [--rows-per-step R] [--seq-len L]
-      OUT/hybrid: the teacher grafted (convert/graft.py, the default memory layers or --memory-layers);
-      OUT/stage1, OUT/stage2: the two stages (training/graft/), stage 1 for its share of the minutes, stage 2
-      from stage 1's student for the rest. Each schedule spans --stage1-tokens / --stage2-tokens, so a window
-      shorter than that stops part way, with the run's checkpoint and log as they are.
+  run_graft.py train --teacher T --out OUT --minutes M [--stage1-share 0.4] [--keep 8] [--rows-per-step R] [--seq-len L]
+      the CPU pipeline's steps (scripts/graft.sh all), in one window: OUT/all-memory, every attention layer of
+      the teacher grafted (convert/graft.py; or --memory-layers); OUT/stage1, stage 1 on it for its share of
+      the minutes; OUT/select, the --keep layers that go back to attention (select.py) and that hybrid;
+      OUT/stage2, stage 2 on the hybrid for the rest. Each schedule spans --stage1-tokens / --stage2-tokens, so
+      a window shorter than that stops part way, with the run's checkpoint and log as they are.
   run_graft.py mixers STUDENT TEACHER OUT_FILE
       the trained part of a student, every tensor under a grafted layer's mixer (base.GraftLoop trains only
       those), fp32, the layers, the graft's config and the teacher's digest in the metadata: 30M parameters where the whole student
@@ -32,7 +33,9 @@ from safetensors.torch import load_file, save_file
 from cloverlm.convert.graft import graft_with_calibration
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.model.checkpoint import WEIGHTS, save_model
+from cloverlm.model.config import ATTENTION
 from cloverlm.training.graft.base import STUDENT_DIR
+from cloverlm.training.graft.select import HYBRID_DIR, SelectConfig, select_layers
 from cloverlm.training.graft.stage1 import GraftStage1, Stage1Config
 from cloverlm.training.graft.stage2 import GraftStage2, Stage2Config
 
@@ -54,35 +57,56 @@ def teacher_digest(teacher: str | Path) -> str:
 
 
 def graft(teacher: str, memory_layers: list[int] | None):
-    """(the teacher grafted with calibration, its tokenizer): the same graft in the window and here."""
-    tokenizer = load_folder_tokenizer(teacher)
-    return graft_with_calibration(load_model(teacher), tokenizer, memory_layers)[0], tokenizer
+    """(the teacher grafted with calibration, its tokenizer): the same graft in the window and here;
+    memory_layers None: every attention layer (the all-memory student of stage 1, as `--memory-layers all`)."""
+    tokenizer, model = load_folder_tokenizer(teacher), load_model(teacher)
+    if memory_layers is None:
+        memory_layers = [i for i, kind in enumerate(model.config.layer_types) if kind == ATTENTION]
+    return graft_with_calibration(model, tokenizer, memory_layers)[0], tokenizer
 
 
-def train(args) -> dict:
+STAGES = {"stage1": (GraftStage1, Stage1Config), "stage2": (GraftStage2, Stage2Config)}
+
+
+def train(args, probes: dict | None = None) -> dict:
+    """The window's steps in turn, each resumed where an earlier call left it or skipped when done; probes:
+    SelectConfig fields other than its defaults (the tests' tiny probes)."""
     out = Path(args.out)
-    hybrid = out / "hybrid"
+    all_memory, stage1, selection = out / "all-memory", out / "stage1" / STUDENT_DIR, out / "select"
     started, summary = time.monotonic(), {}  # grafting counts against the minutes: the window's deadline is fixed
-    if not (hybrid / "model.safetensors").is_file():
-        save_model(*graft(args.teacher, args.memory_layers), hybrid)
-    shape = {"rows_per_step": args.rows_per_step, "seq_len": args.seq_len, "device": args.device}
-    for name, stage, config, student, tokens, minutes in (
-        ("stage1", GraftStage1, Stage1Config, hybrid, args.stage1_tokens, args.minutes * args.stage1_share),
-        ("stage2", GraftStage2, Stage2Config, out / "stage1" / STUDENT_DIR, args.stage2_tokens, None),
-    ):
-        left = args.minutes - (time.monotonic() - started) / 60
-        minutes = left if minutes is None else min(minutes, left)
-        if minutes < 0.2 or not (student / "model.safetensors").is_file():
-            break
-        # stage 2 counts a clean and a noisy stream per position: twice stage 1's tokens for one row
-        per_step = args.rows_per_step * args.seq_len * (2 if name == "stage2" else 1)
-        extra = {"data_weight": args.stage2_data_weight} if name == "stage2" else {}
-        cfg = config(teacher=args.teacher, student=str(student), out=str(out / name), max_steps=max(1, tokens // per_step),
-                     minutes=minutes, checkpoint_minutes=2.0, **shape, **extra)  # fmt: skip
-        resume = (out / name / "checkpoint").is_dir()
-        summary[name] = stage(cfg, resume=resume).run()
-        print(json.dumps({name: summary[name]}), flush=True)
+
+    def left() -> float:
+        return args.minutes - (time.monotonic() - started) / 60
+
+    if not (all_memory / "model.safetensors").is_file():
+        save_model(*graft(args.teacher, args.memory_layers), all_memory)
+    run_stage(args, "stage1", all_memory, min(args.minutes * args.stage1_share, left()), summary)
+    hybrid = selection / HYBRID_DIR
+    if (stage1 / "model.safetensors").is_file() and not (hybrid / "model.safetensors").is_file() and left() >= 0.2:
+        cfg = SelectConfig(teacher=args.teacher, student=str(stage1), out=str(selection), keep=args.keep,
+                           device=args.device, save_hybrid=True, **(probes or {}))  # fmt: skip
+        report = select_layers(cfg, progress=False)
+        summary["select"] = {key: report[key] for key in ("chosen", "baseline", "selected", "seconds")}
+        print(json.dumps({"select": summary["select"]}), flush=True)
+    run_stage(args, "stage2", hybrid, left(), summary)
     return summary
+
+
+def run_stage(args, name: str, student: Path, minutes: float, summary: dict) -> None:
+    """Stage `name` on `student` for `minutes` (none under 0.2 or without a student), resumed from its checkpoint."""
+    if minutes < 0.2 or not (student / "model.safetensors").is_file():
+        return
+    stage, config = STAGES[name]
+    # stage 2 counts a clean and a noisy stream per position: twice stage 1's tokens for one row
+    per_step = args.rows_per_step * args.seq_len * (2 if name == "stage2" else 1)
+    tokens = args.stage2_tokens if name == "stage2" else args.stage1_tokens
+    extra = {"data_weight": args.stage2_data_weight} if name == "stage2" else {}
+    out = Path(args.out) / name
+    cfg = config(teacher=args.teacher, student=str(student), out=str(out), max_steps=max(1, tokens // per_step),
+                 minutes=minutes, checkpoint_minutes=2.0, rows_per_step=args.rows_per_step, seq_len=args.seq_len,
+                 device=args.device, **extra)  # fmt: skip
+    summary[name] = stage(cfg, resume=(out / "checkpoint").is_dir()).run()
+    print(json.dumps({name: summary[name]}), flush=True)
 
 
 def mixers(student: Path, teacher: str, out_file: Path) -> dict:
@@ -133,7 +157,9 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--device", default="cuda")
     p.add_argument("--threads", type=int)
-    p.add_argument("--memory-layers", type=lambda text: [int(i) for i in text.split(",")])
+    p.add_argument("--memory-layers", type=lambda text: [int(i) for i in text.split(",")],
+                   help="the layers grafted for stage 1 (default: every attention layer)")
+    p.add_argument("--keep", type=int, default=SelectConfig.keep, help="layers the selection turns back into attention")
     p = commands.add_parser("mixers")
     p.add_argument("student", type=Path)
     p.add_argument("teacher")
