@@ -30,10 +30,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from cloverlm.convert.graft import graft_with_calibration
+from cloverlm.convert.graft import attention_layers, graft_with_calibration
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.model.checkpoint import WEIGHTS, save_model
-from cloverlm.model.config import ATTENTION
 from cloverlm.training.graft.base import STUDENT_DIR
 from cloverlm.training.graft.select import HYBRID_DIR, SelectConfig, select_layers
 from cloverlm.training.graft.stage1 import GraftStage1, Stage1Config
@@ -61,7 +60,7 @@ def graft(teacher: str, memory_layers: list[int] | None):
     memory_layers None: every attention layer (the all-memory student of stage 1, as `--memory-layers all`)."""
     tokenizer, model = load_folder_tokenizer(teacher), load_model(teacher)
     if memory_layers is None:
-        memory_layers = [i for i, kind in enumerate(model.config.layer_types) if kind == ATTENTION]
+        memory_layers = attention_layers(model.config)
     return graft_with_calibration(model, tokenizer, memory_layers)[0], tokenizer
 
 

@@ -210,10 +210,9 @@ def cmd_convert(args) -> None:
 def _graft(args) -> None:
     """--graft memory: a Clover folder (or --base, converted) with memory layers in place of attention layers."""
     from cloverlm.convert.base import converted
-    from cloverlm.convert.graft import graft_with_calibration
+    from cloverlm.convert.graft import attention_layers, graft_with_calibration
     from cloverlm.convert.load import load_folder_tokenizer, load_model
     from cloverlm.model.checkpoint import save_model
-    from cloverlm.model.config import ATTENTION
 
     if args.source:
         model, tokenizer = load_model(Path(args.source)), load_folder_tokenizer(Path(args.source))
@@ -222,12 +221,12 @@ def _graft(args) -> None:
     if args.memory_layers is None:
         layers = None
     elif args.memory_layers.strip().lower() == "all":  # every attention layer: the all-memory student of stage 1
-        layers = [i for i, kind in enumerate(model.config.layer_types) if kind == ATTENTION]
+        layers = attention_layers(model.config)
     else:
         layers = list(_numbers(args.memory_layers, int, "--memory-layers"))
     graft, layers = graft_with_calibration(model, tokenizer, layers)
     save_model(graft, tokenizer, Path(args.out))
-    kept = [i for i, kind in enumerate(graft.config.layer_types) if kind == ATTENTION]  # a graft's own source may be one
+    kept = attention_layers(graft.config)  # a graft's own source may be one
     print(f"{args.source or args.base} grafted: {len(layers)} new memory layers, attention kept at {kept}, "
           f"{sum(p.numel() for p in graft.parameters()) / 1e6:.1f}M parameters in {args.out}")  # fmt: skip
 

@@ -38,6 +38,11 @@ def default_memory_layers(num_layers: int) -> list[int]:
     return [i for i, kind in enumerate(default_layer_types(num_layers)) if kind == MEMORY]
 
 
+def attention_layers(config: CloverConfig) -> list[int]:
+    """The attention layers of a stack: what `--memory-layers all` grafts (the all-memory student of stage 1)."""
+    return [i for i, kind in enumerate(config.layer_types) if kind == ATTENTION]
+
+
 def grafted_config(config: CloverConfig, memory_layers: Sequence[int]) -> CloverConfig:
     """`config` with the chosen layers memory, their heads those of the attention they replace."""
     layers = _checked_layers(config, memory_layers)
