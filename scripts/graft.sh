@@ -14,6 +14,8 @@
 #   TEACHER=models/smollm2-clover  RUNS=runs (the root of every folder here)  GRAFT=$RUNS/graft/all-memory  KEEP=8
 #   STAGE1_STEPS=4900  STAGE2_STEPS=2000  OUT=$RUNS/graft-stage{1,2} (stages 1 and 2 alone)
 #   STUDENT=... (stage 1: GRAFT; select: stage 1's student; stage 2: the selection's hybrid)
+#   PUBLISH=DIR: stages 1 and 2 also write the student as a graft folder (convert/graft_folder.py) with every
+#       checkpoint; given as STUDENT on another machine, the stage's run continues from it (fresh Adam moments)
 # Stage 1 is layer-local, so it may also train some layers at a time (--layers): models/README.md's run
 # trained the every-fourth hybrid's 23 memory layers first, then grafted and trained the other 7.
 set -euo pipefail
@@ -39,36 +41,50 @@ sys.exit(0 if state and state["step"] >= state["max_steps"] else 1)
 EOF
 }
 
+is_student() {  # FOLDER: true when FOLDER holds a model, as weights or as a graft folder (convert/graft_folder.py)
+  [ -f "$1/model.safetensors" ] || [ -f "$1/clover_graft.json" ]
+}
+
+records_run() {  # FOLDER RECIPE: true when FOLDER is a graft folder that records a run of RECIPE (a run to continue)
+  .venv/bin/python - "$1/clover_graft.json" "$2" <<'EOF'
+import json, pathlib, sys
+path = pathlib.Path(sys.argv[1])
+sys.exit(0 if path.is_file() and sys.argv[2] in json.loads(path.read_text())["runs"] else 1)
+EOF
+}
+
 stage_command() {  # STAGE MINUTES [options]: sets OUT and CMD, the `clover train` call of the stage
   local stage=$1 minutes=$2 student steps
   shift 2
   OUT=${OUT_OVERRIDE:-$RUNS/graft-stage$stage}
   if [ "$stage" = 1 ]; then
     student=${STUDENT:-$GRAFT}; steps=$STAGE1_STEPS
-    if [ ! -f "$OUT/checkpoint/train_state.json" ] && [ ! -f "$student/model.safetensors" ]; then
+    if [ ! -f "$OUT/checkpoint/train_state.json" ] && ! is_student "$student"; then
       mkdir -p "$OUT"
       .venv/bin/clover convert --graft memory --source "$TEACHER" --memory-layers all --out "$student" 2>&1 | tee -a "$OUT/stage.out"
     fi
   else
     student=${STUDENT:-$SELECTION/hybrid}; steps=$STAGE2_STEPS
   fi
-  if [ ! -f "$student/model.safetensors" ] && [ ! -f "$OUT/checkpoint/train_state.json" ]; then
+  if ! is_student "$student" && [ ! -f "$OUT/checkpoint/train_state.json" ]; then
     echo "no student at $student: run the stage before it first ($USAGE)" >&2
     exit 2
   fi
   mkdir -p "$OUT"
-  local resume=()
-  if [ -f "$OUT/checkpoint/train_state.json" ] || [ -f "$OUT/checkpoint.old/train_state.json" ]; then
-    resume=(--resume)
+  local run_flags=()
+  if [ -f "$OUT/checkpoint/train_state.json" ] || [ -f "$OUT/checkpoint.old/train_state.json" ] \
+     || records_run "$student" "graft-stage$stage"; then
+    run_flags=(--resume)
   fi
+  [ -z "${PUBLISH:-}" ] || run_flags+=(--publish "$PUBLISH")
   # --minutes beside --max-steps is a wall-clock limit on this call; the cosine schedule spans all the steps
   CMD=(.venv/bin/clover train --recipe "graft-stage$stage" --teacher "$TEACHER" --student "$student" --out "$OUT"
-       --max-steps "$steps" --minutes "$minutes" --threads "$(nproc)" "${resume[@]}" "$@")
+       --max-steps "$steps" --minutes "$minutes" --threads "$(nproc)" "${run_flags[@]}" "$@")
 }
 
 select_command() {  # [options]: sets CMD, the graft-select call on stage 1's student
   local student=${STUDENT:-$RUNS/graft-stage1/student}
-  if [ ! -f "$student/model.safetensors" ]; then
+  if ! is_student "$student"; then
     echo "no stage-1 student at $student: run stage 1 first (scripts/graft.sh 1 MINUTES)" >&2
     exit 2
   fi

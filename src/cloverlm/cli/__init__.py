@@ -130,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trajectories", type=int, default=256, help="--recipe distill: prompts answered one token a step")
     g = p.add_argument_group("--recipe graft-stage1 and graft-stage2 (also --seq-len, --rows-per-step, --lr, --warmup-steps, --device, --fp32)")
     g.add_argument("--teacher", help="the all-attention model the student was grafted from (a Clover or adapter folder)")
-    g.add_argument("--student", help="the graft (clover convert --graft memory); on --resume the checkpoint is used")
+    g.add_argument("--student", help="the graft (clover convert --graft memory) or a graft folder; --resume continues the "
+                                     "checkpoint in --out, else the stage's run that a graft folder records")
+    g.add_argument("--publish", help="write the student as a graft folder (its mixers over --teacher, convert/graft_folder.py) "
+                                     "with every checkpoint, e.g. models/smollm2-clover-hybrid")
     g.add_argument("--data-weight", type=float, help="graft-stage2: the text's own cross-entropy beside the KL (default 0)")
     g.add_argument("--layers", help="comma-separated grafted layers that train (default: every memory layer in place of "
                                     "a teacher's attention), e.g. the layers grafted after stage 1 trained the others")

@@ -153,6 +153,8 @@ def _train_graft(args) -> None:
             fields[name] = value
     if args.fp32:
         fields["bf16"] = False
+    if args.publish:
+        fields["publish"] = args.publish
     if args.layers is not None:
         fields["layers"] = list(_numbers(args.layers, int, "--layers"))
     print(json.dumps(stage(config(**fields), resume=args.resume).run()))

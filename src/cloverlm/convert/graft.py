@@ -93,6 +93,20 @@ def check_graft_of(teacher: CloverForBlockDiffusion, student: CloverForBlockDiff
         raise CloverError("the student is not a graft of the teacher (its layers or hidden size differ)")
 
 
+def grafted_layers(teacher, student) -> list[int]:
+    """The student's memory layers that are attention layers in the teacher: the layers the stages train."""
+    check_graft_of(teacher, student)
+    t, s = teacher.config, student.config
+    layers = [
+        i for i, (a, b) in enumerate(zip(t.layer_types, s.layer_types)) if a == ATTENTION and b == MEMORY
+    ]
+    if not layers:
+        raise CloverError(
+            "the student has no memory layer in place of a teacher's attention layer: nothing to train"
+        )
+    return layers
+
+
 def _repeat_heads(weight: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
     """[kv_heads * D, h] -> [heads * D, h]: query head j reads KV head j // (heads // kv_heads), as GQA does."""
     return weight.unflatten(0, (kv_heads, -1)).repeat_interleave(heads // kv_heads, dim=0).flatten(0, 1)

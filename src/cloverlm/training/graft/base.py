@@ -7,13 +7,17 @@ trainer follow), else fp32. The student is the graft, in fp32, run under bf16 au
 each memory layer that is attention in the teacher, with AdamW and no weight decay: the mixers start from the
 attention's weights, and weight decay would pull them away. A checkpoint is the student as a plain Clover
 folder (loadable by load_model) with the optimizer's state and the loop's; --resume continues from it, and the
-teacher is loaded again from its folder.
+teacher is loaded again from its folder. With --publish, each checkpoint also writes the student as a graft
+folder (convert/graft_folder.py): the mixers in fp16 and the run's state and log, the form that ships. Given
+as --student with --resume on a machine without the run's folder, the run continues from it: the same step,
+schedule and batches, with Adam's moments started afresh (a run's folder does not outlive its machine here).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -24,11 +28,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import nn
 
-from cloverlm.convert.graft import check_graft_of
+from cloverlm.convert.graft import grafted_layers
+from cloverlm.convert.graft_folder import graft_meta, is_graft_folder, save_graft_folder
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.errors import CloverError
-from cloverlm.model.checkpoint import atomic_write_dir, multiplies_bf16, save_model
-from cloverlm.model.config import ATTENTION, MEMORY
+from cloverlm.model.checkpoint import atomic_write_dir, multiplies_bf16, recover_dir, save_model
 from cloverlm.model.layout import block_partition
 from cloverlm.training.conversion.config import ConvertConfig
 from cloverlm.training.conversion.data import ConversionData
@@ -37,7 +41,7 @@ from cloverlm.training.conversion.trainer import device_label, resolve_device
 from cloverlm.training.loop import Loop
 
 STUDENT_DIR = "student"
-RESUME_MAY_CHANGE = ("teacher", "student", "out", "max_steps", "minutes", "device")
+RESUME_MAY_CHANGE = ("teacher", "student", "out", "max_steps", "minutes", "device", "publish")
 
 
 @dataclass
@@ -64,20 +68,9 @@ class GraftStageConfig:
     # the grafted layers that train; None: all of them. A subset fits layers grafted after the others were
     # trained (e.g. the rest of an all-memory student) without spending steps on the trained ones again.
     layers: list[int] | None = None
-
-
-def grafted_layers(teacher, student) -> list[int]:
-    """The student's memory layers that are attention layers in the teacher: the layers the stages train."""
-    check_graft_of(teacher, student)
-    t, s = teacher.config, student.config
-    layers = [
-        i for i, (a, b) in enumerate(zip(t.layer_types, s.layer_types)) if a == ATTENTION and b == MEMORY
-    ]
-    if not layers:
-        raise CloverError(
-            "the student has no memory layer in place of a teacher's attention layer: nothing to train"
-        )
-    return layers
+    # a graft folder (convert/graft_folder.py) written with every checkpoint and at the end: the student as
+    # it ships, which a later --resume on another machine continues from (e.g. models/smollm2-clover-hybrid)
+    publish: str | None = None
 
 
 def trained_layers(teacher, student, chosen: list[int] | None) -> list[int]:
@@ -147,6 +140,7 @@ class GraftLoop(Loop):
 
     log_steps_done = True
     plot_file = "loss.png"
+    recipe = ""  # the stage's `clover train --recipe`, the key of its run in a published graft folder
 
     def __init__(self, cfg, resume: bool = False):
         if cfg.seq_len < 4 or cfg.seq_len % min(CONVERT_BLOCK_SIZES):
@@ -154,9 +148,18 @@ class GraftLoop(Loop):
                 f"seq_len must be a positive multiple of {min(CONVERT_BLOCK_SIZES)}, got {cfg.seq_len}"
             )
         self.device = resolve_device(cfg.device)
-        super().__init__(cfg, resume, tokens=0)
-        if self.saved is not None:
-            stored, given = self.saved["config"], asdict(cfg)
+        # the runs recorded in a graft folder student: carried into what this run publishes, and this stage's
+        # own run continued by --resume where OUT holds no checkpoint (a run that began on another machine)
+        self.published_runs = graft_meta(cfg.student)["runs"] if is_graft_folder(cfg.student) else {}
+        published = self.published_runs.get(self.recipe)
+        from_published = resume and published is not None and recover_dir(Path(cfg.out) / "checkpoint") is None
+        super().__init__(cfg, resume and not from_published, tokens=0)
+        if from_published:
+            self._continue_published(published)
+        for saved in (self.saved, published if from_published else None):
+            if saved is None:
+                continue
+            stored, given = saved["config"], asdict(cfg)
             changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and stored.get(k) != given[k])
             if changed:
                 raise CloverError(f"--resume with a different configuration than the checkpoint's: {', '.join(changed)} "
@@ -212,6 +215,39 @@ class GraftLoop(Loop):
     def save_checkpoint(self, final: bool = False) -> None:
         super().save_checkpoint(final)
         self.plot(self.out / self.plot_file)
+        self.publish()
+
+    @property
+    def published_log(self) -> str:
+        return f"{self.recipe}_log.jsonl"
+
+    def _continue_published(self, published: dict) -> None:
+        """Take up this stage's run where the published student left it: its step, schedule and tokens, and
+        its log. The optimizer's moments start afresh: a graft folder keeps the weights only."""
+        self.state = dict(published["state"])
+        if self.cfg.max_steps is not None:
+            self.state["max_steps"] = self.cfg.max_steps
+        log = Path(self.cfg.student) / self.published_log
+        if log.is_file() and not self.log_path.exists():
+            self.out.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, self.log_path)
+        self.log({"event": "continued from a graft folder", "student": self.cfg.student, "step": self.state["step"],
+                  "optimizer": "fresh moments"})  # fmt: skip
+
+    def publish(self) -> None:
+        """The student as a graft folder at cfg.publish: this run's state, log and curve beside the earlier
+        runs' records that the student folder carried."""
+        if not self.cfg.publish:
+            return
+        runs = {**self.published_runs, self.recipe: {"state": self.state, "config": asdict(self.cfg),
+                                                     "device": device_label(self.device)}}  # fmt: skip
+        student = Path(self.cfg.student)
+        carried = graft_meta(student).get("files", []) if is_graft_folder(student) else []
+        files = {name: (student / name).read_bytes() for name in carried if (student / name).is_file()}
+        for source, name in ((self.log_path, self.published_log), (self.out / self.plot_file, self.plot_file)):
+            if source.is_file():
+                files[name] = source.read_bytes()
+        save_graft_folder(self.student, self.teacher, self.cfg.teacher, self.cfg.publish, runs, files)
 
     def finish(self, metrics: dict | None) -> dict:
         student = self.out / STUDENT_DIR
@@ -219,4 +255,4 @@ class GraftLoop(Loop):
         self.plot(self.out / self.plot_file)
         return {"steps": self.state["step"], "tokens": self.state["tokens"], "layers": self.layers,
                 "teacher": "bf16" if self.bf16 else "fp32", "device": device_label(self.device),
-                "out": str(student), "plot": str(self.out / self.plot_file)}  # fmt: skip
+                "out": str(student), "plot": str(self.out / self.plot_file), "published": self.cfg.publish}  # fmt: skip

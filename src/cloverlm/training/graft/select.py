@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from cloverlm import tasks
-from cloverlm.convert.graft import check_graft_of, restore_attention
+from cloverlm.convert.graft import check_graft_of, grafted_layers, restore_attention
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.errors import CloverError
 from cloverlm.evaluation.chat import read_chat
@@ -279,8 +279,6 @@ def share_of(value: float | None, teacher: float | None) -> float | None:
 
 def select_layers(cfg: SelectConfig, progress: bool = True) -> dict:
     """Score every candidate, choose `keep`, write the report and the plot into cfg.out; returns the report."""
-    from cloverlm.training.graft.base import grafted_layers
-
     start = time.time()
     judge = Judge(cfg)
     student = judge.load(cfg.student)

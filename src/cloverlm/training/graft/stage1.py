@@ -48,6 +48,7 @@ class Stage1Config(GraftStageConfig):
 class GraftStage1(GraftLoop):
     label = "graft stage 1"
     plot_file = PLOT_FILE
+    recipe = "graft-stage1"
 
     def batch(self, step: int):
         """(ids [rows, seq_len], the step's block partition)."""

@@ -71,6 +71,7 @@ def distillation_kl(
 class GraftStage2(GraftLoop):
     label = "graft stage 2"
     plot_file = PLOT_FILE
+    recipe = "graft-stage2"
 
     def batch(self, step: int) -> tuple[NoisedBatch, list[int]]:
         """(the noised rows, the step's block partition): seq_len + 1 tokens a row give seq_len input positions."""
