@@ -2,16 +2,25 @@
 loaded by load_model, published by the graft's stages and continued from on another machine."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import cloverlm.convert.graft_folder as graft_folder
-from cloverlm.convert.graft_folder import GRAFT_META, save_graft_folder
+from cloverlm.convert.graft_folder import (
+    GRAFT_META,
+    graft_meta,
+    save_graft_folder,
+    teacher_digest,
+    teacher_folder,
+)
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.errors import CloverError
+from cloverlm.model.config import MEMORY
 from cloverlm.training.graft.stage1 import GraftStage1, Stage1Config
 from cloverlm.training.graft.stage2 import GraftStage2, Stage2Config
+from cloverlm.training.loop import lr_at
 from test_graft_stage1 import grafted_folders, run_stage, stage_config
 from test_training_loop import logged
 
@@ -113,6 +122,9 @@ def test_a_stage_published_on_one_machine_continues_from_its_folder_on_another(f
     records = logged(tmp_path / "second")
     assert [r["step"] for r in records if "event" not in r] == [1, 2, 3, 4, 5, 6]
     assert [r["event"] for r in records if "event" in r] == ["continued from a graft folder"]
+    schedule = [lr_at(step, again, 6) for step in range(6)]
+    rewarmed = schedule[:3] + [schedule[3] / 2] + schedule[4:]  # warmup_steps 2: half the rate, then all of it
+    assert [r["lr"] for r in records if "event" not in r] == pytest.approx(rewarmed)
     state = json.loads((published / GRAFT_META).read_text())["runs"]["graft-stage1"]["state"]
     assert state["step"] == 6 and state["tokens"] == 6 * 2 * 64
 
@@ -125,3 +137,20 @@ def test_a_stage_published_on_one_machine_continues_from_its_folder_on_another(f
     meta = json.loads((tmp_path / "hybrid2" / GRAFT_META).read_text())
     assert sorted(meta["runs"]) == ["graft-stage1", "graft-stage2"] and meta["runs"]["graft-stage1"]["state"]["step"] == 6
     assert meta["files"] == ["graft-stage1_log.jsonl", "graft-stage2_log.jsonl", "stage1_loss.png", "stage2_kl.png"]
+
+
+SHIPPED_HYBRID = Path(__file__).resolve().parents[1] / "models" / "smollm2-clover-hybrid"
+
+
+def test_the_shipped_hybrid_was_trained_on_the_shipped_teacher_and_keeps_the_size_rule():
+    """models/smollm2-clover-hybrid: the default model is its teacher, unchanged since (a retrained default
+    needs the graft trained again), every file is under 30 MB, and it loads as the hybrid its record says."""
+    meta = graft_meta(SHIPPED_HYBRID)
+    assert teacher_folder(SHIPPED_HYBRID) == SHIPPED_HYBRID.parent / "smollm2-clover"
+    assert teacher_digest(teacher_folder(SHIPPED_HYBRID)) == meta["teacher_sha256"]
+    assert all(path.stat().st_size < 30e6 for path in SHIPPED_HYBRID.iterdir())
+    assert meta["runs"]["graft-stage1"]["state"]["tokens"] > 0
+    model = load_model(SHIPPED_HYBRID)
+    assert [i for i, kind in enumerate(model.config.layer_types) if kind == MEMORY] == meta["memory_layers"]
+    ids = torch.tensor([load_folder_tokenizer(SHIPPED_HYBRID)("Hello, drone.")["input_ids"]])
+    assert torch.isfinite(model(ids, ids, [ids.shape[1]]).logits).all()

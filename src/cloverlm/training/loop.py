@@ -162,6 +162,10 @@ class Loop:
     def evaluate(self) -> dict[str, float]:
         return {}
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of `step` (default: the schedule, `lr_at`)."""
+        return lr_at(step, self.cfg, self.state["max_steps"])
+
     def advance(self, steps_done: int, metrics: dict | None) -> list[dict]:
         """Decisions after a step (and its evaluation, if any); the events to log."""
         return []
@@ -219,7 +223,7 @@ class Loop:
     def train_step(self, step: int, batch=None) -> dict:
         """One optimizer step on the batch of `step` (built here unless given); the step's log record."""
         batch = self._batch_of(step) if batch is None else batch
-        lr = lr_at(step, self.cfg, self.state["max_steps"])
+        lr = self.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total, outs = 0.0, []

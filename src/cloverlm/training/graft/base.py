@@ -10,7 +10,8 @@ folder (loadable by load_model) with the optimizer's state and the loop's; --res
 teacher is loaded again from its folder. With --publish, each checkpoint also writes the student as a graft
 folder (convert/graft_folder.py): the mixers in fp16 and the run's state and log, the form that ships. Given
 as --student with --resume on a machine without the run's folder, the run continues from it: the same step,
-schedule and batches, with Adam's moments started afresh (a run's folder does not outlive its machine here).
+schedule and batches, with Adam's moments started afresh and the rate warmed up again (a run's folder does
+not outlive its machine here).
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ class GraftLoop(Loop):
     def _continue_published(self, published: dict) -> None:
         """Take up this stage's run where the published student left it: its step, schedule and tokens, and
         its log. The optimizer's moments start afresh: a graft folder keeps the weights only."""
-        self.state = dict(published["state"])
+        self.state = {**published["state"], "rewarm_from": published["state"]["step"]}
         if self.cfg.max_steps is not None:
             self.state["max_steps"] = self.cfg.max_steps
         log = Path(self.cfg.student) / self.published_log
@@ -233,6 +234,12 @@ class GraftLoop(Loop):
             shutil.copyfile(log, self.log_path)
         self.log({"event": "continued from a graft folder", "student": self.cfg.student, "step": self.state["step"],
                   "optimizer": "fresh moments"})  # fmt: skip
+
+    def lr_at(self, step: int) -> float:
+        """The schedule's rate, warmed up again over warmup_steps after a run continued from a graft folder:
+        Adam's fresh moments would otherwise take full-size steps at once."""
+        since = step - self.state.get("rewarm_from", -(10**9))
+        return super().lr_at(step) * min(1.0, (since + 1) / self.cfg.warmup_steps)
 
     def publish(self) -> None:
         """The student as a graft folder at cfg.publish: this run's state, log and curve beside the earlier
