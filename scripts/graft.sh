@@ -7,6 +7,9 @@
 #   scripts/graft.sh 2 MINUTES [clover train options]   stage 2: that hybrid on logit KL against TEACHER (stage2.py)
 #   scripts/graft.sh all MINUTES [graft-select options] the three in turn, each resumed where it stopped or skipped
 #       when done, within MINUTES of wall clock: the one command that builds the hybrid on a fresh clone
+#   scripts/graft.sh continue MINUTES [clover train options]  the CPU campaign's step for a published hybrid
+#       (HYBRID=models/smollm2-clover-hybrid): stage 1, then stage 2, each continued where the folder's record
+#       stopped (on any machine) and published back into it with every checkpoint
 # Stages 1 and 2 train MINUTES and resume from their last checkpoint; the schedule spans STAGE1_STEPS (4900: 5M
 # tokens at 2 rows of 512) or STAGE2_STEPS (2000) steps, so several sessions make one run. They run in the
 # background (FOREGROUND=1: wait) with the log in $OUT/stage.out, the curve in $OUT/stage1_loss.png or
@@ -20,7 +23,7 @@
 # trained the every-fourth hybrid's 23 memory layers first, then grafted and trained the other 7.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-USAGE="usage: scripts/graft.sh 1|2 MINUTES [clover train options] | select [graft-select options] | all MINUTES [graft-select options]"
+USAGE="usage: scripts/graft.sh 1|2 MINUTES [clover train options] | select [graft-select options] | all MINUTES [graft-select options] | continue MINUTES [clover train options]"
 WHAT=${1:?$USAGE}
 shift
 TEACHER=${TEACHER:-models/smollm2-clover}
@@ -45,11 +48,12 @@ is_student() {  # FOLDER: true when FOLDER holds a model, as weights or as a gra
   [ -f "$1/model.safetensors" ] || [ -f "$1/clover_graft.json" ]
 }
 
-records_run() {  # FOLDER RECIPE: true when FOLDER is a graft folder that records a run of RECIPE (a run to continue)
+published_step() {  # FOLDER RECIPE: the step of RECIPE's run that graft folder FOLDER records, -1 for none
   .venv/bin/python - "$1/clover_graft.json" "$2" <<'EOF'
 import json, pathlib, sys
 path = pathlib.Path(sys.argv[1])
-sys.exit(0 if path.is_file() and sys.argv[2] in json.loads(path.read_text())["runs"] else 1)
+runs = json.loads(path.read_text())["runs"] if path.is_file() else {}
+print(runs[sys.argv[2]]["state"]["step"] if sys.argv[2] in runs else -1)
 EOF
 }
 
@@ -73,7 +77,7 @@ stage_command() {  # STAGE MINUTES [options]: sets OUT and CMD, the `clover trai
   mkdir -p "$OUT"
   local run_flags=()
   if [ -f "$OUT/checkpoint/train_state.json" ] || [ -f "$OUT/checkpoint.old/train_state.json" ] \
-     || records_run "$student" "graft-stage$stage"; then
+     || [ "$(published_step "$student" "graft-stage$stage")" -ge 0 ]; then
     run_flags=(--resume)
   fi
   [ -z "${PUBLISH:-}" ] || run_flags+=(--publish "$PUBLISH")
@@ -126,6 +130,38 @@ case "$WHAT" in
     stage_command 2 "$(left)"
     "${CMD[@]}"
     finished "$RUNS/graft-stage2" && echo "the hybrid: $RUNS/graft-stage2/student" || echo "stage 2 goes on: run scripts/graft.sh all MINUTES again"
+    ;;
+  continue)
+    MINUTES=${1:?$USAGE}
+    shift
+    HYBRID=${HYBRID:-models/smollm2-clover-hybrid}
+    if [ ! -f "$HYBRID/clover_graft.json" ]; then
+      echo "no graft folder at $HYBRID: build one (scripts/graft.sh all, or a stage with PUBLISH=DIR)" >&2
+      exit 2
+    fi
+    if [ -z "${FOREGROUND:-}" ]; then
+      mkdir -p "$RUNS/hybrid"
+      launch "$RUNS/hybrid" "$RUNS/hybrid/continue.out" "the hybrid's stages" env FOREGROUND=1 "$0" continue "$MINUTES" "$@"
+      exit 0
+    fi
+    # this hybrid's own run folders: a checkpoint there is of this hybrid, not of another run's student
+    STUDENT=$HYBRID; PUBLISH=$HYBRID
+    deadline=$(( $(date +%s) + 60 * MINUTES ))
+    left() { echo $(( (deadline - $(date +%s)) / 60 )); }
+    for stage in 1 2; do
+      steps=$([ "$stage" = 1 ] && echo "$STAGE1_STEPS" || echo "$STAGE2_STEPS")
+      if [ "$(published_step "$HYBRID" "graft-stage$stage")" -lt "$steps" ]; then
+        [ "$(left)" -ge 1 ] || { echo "time is up before stage $stage: run scripts/graft.sh continue MINUTES again"; exit 0; }
+        OUT_OVERRIDE=$RUNS/hybrid-stage$stage
+        stage_command "$stage" "$(left)" "$@"
+        "${CMD[@]}"
+      fi
+      if [ "$(published_step "$HYBRID" "graft-stage$stage")" -lt "$steps" ]; then
+        echo "stage $stage goes on: run scripts/graft.sh continue MINUTES again"
+        exit 0
+      fi
+    done
+    echo "the hybrid's stages are done: $HYBRID"
     ;;
   *) echo "$USAGE" >&2; exit 2 ;;
 esac
