@@ -83,12 +83,16 @@ def test_the_mixers_split_into_parts_a_layer_each_under_the_size_limit(folders, 
                        trained_student.model.layers[2].linear_attn.out_proj.weight.half().float())  # fmt: skip
 
 
-def test_a_folder_refuses_a_changed_teacher_a_missing_part_and_values_beyond_fp16(folders, trained_student, tmp_path):
+def test_a_folder_refuses_a_missing_part_mixers_of_other_layers_a_changed_teacher_and_values_beyond_fp16(folders, trained_student, tmp_path):
     folder = written(folders, trained_student, tmp_path / "hybrid")
     (folder / "mixers-00001-of-00001.safetensors").rename(tmp_path / "away")
     with pytest.raises(CloverError, match="is missing: the graft folder is incomplete"):
         load_model(folder)
+    (tmp_path / "away").rename(folder / "mixers-00001-of-00001.safetensors")
     meta = json.loads((folder / GRAFT_META).read_text())
+    (folder / GRAFT_META).write_text(json.dumps({**meta, "memory_layers": [0]}))
+    with pytest.raises(CloverError, match="mixers do not fit its memory layers: missing \\[\\], unexpected \\['model.layers.2"):
+        load_model(folder)
     (folder / GRAFT_META).write_text(json.dumps({**meta, "teacher_sha256": "0" * 64}))
     with pytest.raises(CloverError, match="trained on other weights than .* holds now"):
         load_model(folder)

@@ -157,9 +157,8 @@ class GraftLoop(Loop):
         super().__init__(cfg, resume and not from_published, tokens=0)
         if from_published:
             self._continue_published(published)
-        for saved in (self.saved, published if from_published else None):
-            if saved is None:
-                continue
+        saved = published if from_published else self.saved  # a continued run has no checkpoint of its own
+        if saved is not None:
             stored, given = saved["config"], asdict(cfg)
             changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and stored.get(k) != given[k])
             if changed:
@@ -238,8 +237,10 @@ class GraftLoop(Loop):
     def lr_at(self, step: int) -> float:
         """The schedule's rate, warmed up again over warmup_steps after a run continued from a graft folder:
         Adam's fresh moments would otherwise take full-size steps at once."""
-        since = step - self.state.get("rewarm_from", -(10**9))
-        return super().lr_at(step) * min(1.0, (since + 1) / self.cfg.warmup_steps)
+        scheduled = super().lr_at(step)
+        if "rewarm_from" not in self.state:
+            return scheduled
+        return scheduled * min(1.0, (step - self.state["rewarm_from"] + 1) / self.cfg.warmup_steps)
 
     def publish(self) -> None:
         """The student as a graft folder at cfg.publish: this run's state, log and curve beside the earlier
