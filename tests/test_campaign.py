@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from cloverlm.evaluation import campaign as campaign_eval
 from cloverlm.evaluation.campaign import paired_difference
 from cloverlm.paths import MODELS
 from cloverlm.training.conversion.campaign import (
@@ -148,8 +149,10 @@ def test_promotion_swaps_in_the_adapter_and_keeps_the_rest(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_campaign_trains_both_to_the_same_step_and_evaluates_them(tmp_path):
-    """`clover campaign` end to end on the shipped pair (copied): a few small steps, one prompt a point."""
+def test_the_campaign_trains_both_to_the_same_step_and_evaluates_them(tmp_path, monkeypatch):
+    """`clover campaign` end to end on the shipped pair (copied): a few small steps, one prompt a point, its
+    no_fly prompts of 3 messages (20 cost most of this test, and the points' settings are not what it checks)."""
+    monkeypatch.setattr(campaign_eval, "SIZES", {task: {"n_messages": 3} for task in campaign_eval.SIZES})
     models = tmp_path / "models"
     for name in ("smollm2-clover", "smollm2-peer"):
         shutil.copytree(MODELS / name, models / name)

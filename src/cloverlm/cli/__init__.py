@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--lr", type=float)
-    p.add_argument("--eval-every", type=int)
+    p.add_argument("--eval-every", type=int, help="held-out evaluation every N steps and at the end (0: none)")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (default: every 5 minutes)")
     p.add_argument("--probe-examples", type=int)
     p.add_argument("--tokenizer", help="a tokenizer folder (default: train the default one)")

@@ -99,8 +99,9 @@ def _rounded(fields: dict) -> dict:
 
 class Loop:
     """The loop over one objective's steps. The config (TrainConfig, ConvertConfig) gives out, lr,
-    warmup_steps, min_lr_ratio, grad_clip, max_steps, minutes, eval_every and checkpoint_every (steps; when
-    None, checkpoint_minutes)."""
+    warmup_steps, min_lr_ratio, grad_clip, max_steps, minutes, eval_every (steps, and the run's last; 0: no
+    evaluation, for runs whose held-out pass would cost more than their steps) and checkpoint_every (steps;
+    when None, checkpoint_minutes)."""
 
     label = "train"  # the progress bar's
     betas = (0.9, 0.999)
@@ -321,7 +322,8 @@ class Loop:
                                "peak_rss_gib": peak}  # fmt: skip
                     last = done == end_step
                     metrics = None
-                    if done % cfg.eval_every == 0 or last:
+                    # at the schedule's end, not at a stop_at before it: a run in pieces logs what one call logs
+                    if cfg.eval_every and (done % cfg.eval_every == 0 or done == max_steps):
                         metrics = self.evaluate()  # on every rank: FSDP's forward is collective
                         if distributed.is_main():
                             bar.write(f"step {done}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
