@@ -12,7 +12,7 @@ from cloverlm.training.conversion import chunks
 from cloverlm.training.conversion.chunks import checkpoint_step, train_in_chunks
 from cloverlm.training.conversion.trainer import ConvertConfig, ConvertTrainer
 
-# eval_every 0: each process's held-out pass (20-message prompts) would cost more than its steps
+# eval_every 0: the held-out pass at the schedule's end (20-message prompts) would cost more than the steps
 SMALL = {"mixture": {"arithmetic": 1.0}, "tokens_per_step": 120, "eval_every": 0, "checkpoint_every": 1,
          "device": "cpu", "max_steps": 3}  # fmt: skip
 

@@ -126,7 +126,6 @@ def test_a_resumed_toy_run_takes_the_steps_of_an_uninterrupted_one(tmp_path, mon
     assert_only_safetensors_and_json(tmp_path / "run" / "checkpoint")
 
 
-
 def test_a_run_taken_in_pieces_evaluates_where_one_call_does(tmp_path):
     """stop_at (a chunk's end, the peer stopping at Clover's step) is no evaluation point: the schedule's is."""
     whole = ToyConfig(out=str(tmp_path / "whole"), eval_every=4)
@@ -142,6 +141,7 @@ def test_eval_every_zero_evaluates_never_not_even_at_the_end(tmp_path, monkeypat
     monkeypatch.setattr(Toy, "evaluate", lambda self: pytest.fail("evaluated with eval_every=0"))
     assert Toy(ToyConfig(out=str(tmp_path / "run"), eval_every=0)).run() == {"steps": 6}
     assert [r["step"] for r in logged(tmp_path / "run") if "event" not in r] == list(range(6))
+
 
 def test_minutes_alone_calibrate_a_step_count_and_beside_one_limit_the_run(tmp_path):
     calibrated = Toy(ToyConfig(out=str(tmp_path / "cal"), max_steps=None, minutes=2e-4, checkpoint_every=None))

@@ -99,8 +99,8 @@ def _rounded(fields: dict) -> dict:
 
 class Loop:
     """The loop over one objective's steps. The config (TrainConfig, ConvertConfig) gives out, lr,
-    warmup_steps, min_lr_ratio, grad_clip, max_steps, minutes, eval_every (steps, and the run's last; 0: no
-    evaluation, for runs whose held-out pass would cost more than their steps) and checkpoint_every (steps;
+    warmup_steps, min_lr_ratio, grad_clip, max_steps, minutes, eval_every (steps, and the schedule's last; 0:
+    no evaluation, for runs whose held-out pass would cost more than their steps) and checkpoint_every (steps;
     when None, checkpoint_minutes)."""
 
     label = "train"  # the progress bar's
