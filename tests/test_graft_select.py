@@ -11,6 +11,7 @@ import torch
 from cloverlm.cli import main
 from cloverlm.convert.base import base_tokenizer
 from cloverlm.convert.graft import graft_memory, restore_attention
+from cloverlm.convert.graft_folder import save_graft_folder
 from cloverlm.convert.load import load_model
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import save_model
@@ -174,11 +175,17 @@ def test_evaluation_gives_each_students_kl_and_its_recall_beside_the_teachers(fo
     teacher, student = folders
     restored = tmp_path / "restored"
     save_model(restore_attention(load_model(student), load_model(teacher), [1]), base_tokenizer(), restored)
+    # the student as a graft folder with a run's record: the report says which training state it measured
+    published = tmp_path / "published"
+    state = {"step": 3, "max_steps": 6, "tokens": 384}
+    save_graft_folder(load_model(student), load_model(teacher), teacher, published, {"graft-stage1": {"state": state, "config": {}}})
     cfg = SelectConfig(teacher=str(teacher), out=str(tmp_path / "eval"), **SMALL)
-    out = evaluate_students(cfg, [str(student), str(restored)], progress=False)
+    out = evaluate_students(cfg, [str(student), str(restored), str(published)], progress=False)
     written = json.loads((tmp_path / "eval" / EVAL_FILE).read_text())
     assert written["students"] == out["students"] and "keep" not in written["config"]
-    graft, back = out["students"]
+    graft, back, folder = out["students"]
+    assert graft["trained"] is None and back["trained"] is None and folder["trained"] == {"graft-stage1": state}
+    assert folder["memory_layers"] == GRAFTED and folder["kl"] == pytest.approx(graft["kl"], abs=1e-3)
     assert out["teacher_scores"] == report["teacher_scores"]
     assert {k: graft[k] for k in report["baseline"]} == report["baseline"]
     assert graft["memory_layers"] == GRAFTED and back["memory_layers"] == [0, 2]

@@ -42,6 +42,12 @@ def graft_meta(folder) -> dict:
     return json.loads((Path(folder) / GRAFT_META).read_text())
 
 
+def trained_runs(folder) -> dict[str, dict] | None:
+    """What the training runs recorded in graft folder `folder` had done, by recipe (step, max_steps, tokens,
+    as clover_graft.json keeps them); None for a folder that is not a graft folder (it records no runs)."""
+    return {recipe: run["state"] for recipe, run in graft_meta(folder)["runs"].items()} if is_graft_folder(folder) else None
+
+
 def teacher_folder(folder) -> Path:
     """The teacher's folder: clover_graft.json names it relative to the graft folder."""
     return Path(os.path.normpath(Path(folder) / graft_meta(folder)["teacher"]))

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from cloverlm import tasks
 from cloverlm.convert.graft import check_graft_of, grafted_layers, restore_attention
+from cloverlm.convert.graft_folder import trained_runs
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.errors import CloverError
 from cloverlm.evaluation.chat import read_chat
@@ -261,7 +262,9 @@ def evaluate_students(cfg: SelectConfig, students: list[str], progress: bool = T
         check_graft_of(judge.teacher, student)
         scores = judge.measure(student)
         kinds = student.config.layer_types
-        rows.append({"student": folder, "memory_layers": [i for i, kind in enumerate(kinds) if kind == MEMORY], **scores,
+        # which training state was measured: a graft folder's record moves on with every checkpoint
+        rows.append({"student": folder, "trained": trained_runs(folder),
+                     "memory_layers": [i for i, kind in enumerate(kinds) if kind == MEMORY], **scores,
                      **{f"{key}_of_teacher": share_of(scores[key], teacher[key]) for key in ("kv", "needle", "recall")}})  # fmt: skip
     probes_config = {k: v for k, v in asdict(cfg).items() if k not in ("student", "keep", "save_hybrid")}
     report = {"teacher": cfg.teacher, "config": probes_config, "teacher_scores": teacher, "students": rows,
