@@ -42,7 +42,9 @@ from cloverlm.training.conversion.trainer import device_label, resolve_device
 from cloverlm.training.loop import Loop
 
 STUDENT_DIR = "student"
-RESUME_MAY_CHANGE = ("teacher", "student", "out", "max_steps", "minutes", "device", "publish")
+# what a resumed run may change: where things are and how long to run, and eval_every, which nothing here
+# reads (no held-out evaluation; runs before it was 0 recorded 10**9, the same nothing)
+RESUME_MAY_CHANGE = ("teacher", "student", "out", "max_steps", "minutes", "device", "publish", "eval_every")
 
 
 @dataclass
@@ -61,7 +63,7 @@ class GraftStageConfig:
     max_steps: int | None = None
     minutes: float | None = None
     # No held-out evaluation: every batch is new data, so each step's loss is measured before any update on it.
-    eval_every: int = 10**9
+    eval_every: int = 0
     checkpoint_every: int | None = None  # steps; None: every checkpoint_minutes
     checkpoint_minutes: float = 10.0
     device: str = "cpu"
