@@ -42,10 +42,16 @@ def graft_meta(folder) -> dict:
     return json.loads((Path(folder) / GRAFT_META).read_text())
 
 
+def recorded_runs(folder) -> dict[str, dict]:
+    """The training runs clover_graft.json records (state, config, device), by recipe; {} for a folder that
+    is not a graft folder."""
+    return graft_meta(folder)["runs"] if is_graft_folder(folder) else {}
+
+
 def trained_runs(folder) -> dict[str, dict] | None:
-    """What the training runs recorded in graft folder `folder` had done, by recipe (step, max_steps, tokens,
-    as clover_graft.json keeps them); None for a folder that is not a graft folder (it records no runs)."""
-    return {recipe: run["state"] for recipe, run in graft_meta(folder)["runs"].items()} if is_graft_folder(folder) else None
+    """What the runs recorded in `folder` had done, by recipe (step, max_steps, tokens); None where it
+    records none (e.g. a plain model folder)."""
+    return {recipe: run["state"] for recipe, run in recorded_runs(folder).items()} or None
 
 
 def teacher_folder(folder) -> Path:

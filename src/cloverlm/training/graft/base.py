@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from cloverlm.convert.graft import grafted_layers
-from cloverlm.convert.graft_folder import graft_meta, is_graft_folder, save_graft_folder
+from cloverlm.convert.graft_folder import graft_meta, is_graft_folder, recorded_runs, save_graft_folder
 from cloverlm.convert.load import load_folder_tokenizer, load_model
 from cloverlm.errors import CloverError
 from cloverlm.model.checkpoint import atomic_write_dir, multiplies_bf16, recover_dir, save_model
@@ -153,7 +153,7 @@ class GraftLoop(Loop):
         self.device = resolve_device(cfg.device)
         # the runs recorded in a graft folder student: carried into what this run publishes, and this stage's
         # own run continued by --resume where OUT holds no checkpoint (a run that began on another machine)
-        self.published_runs = graft_meta(cfg.student)["runs"] if is_graft_folder(cfg.student) else {}
+        self.published_runs = recorded_runs(cfg.student)
         published = self.published_runs.get(self.recipe)
         from_published = resume and published is not None and recover_dir(Path(cfg.out) / "checkpoint") is None
         super().__init__(cfg, resume and not from_published, tokens=0)
